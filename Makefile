@@ -1,0 +1,29 @@
+# `make test` sets up a fresh CPU machine (its own virtualenv) and runs the test suite.
+# `make gpu-test` runs the GPU tests in the current environment (see README: GPU tests).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+SGLANG_VERSION ?= 0.5.10.post1
+TMS_VERSION ?= 0.0.10
+
+.PHONY: test gpu-test setup clean
+
+test: $(VENV)/.ready
+	$(PY) -m pytest -q
+
+setup: $(VENV)/.ready
+
+$(VENV)/.ready: pyproject.toml requirements/cpu-test.txt Makefile
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) torch==2.13.0 || $(PIP) torch
+	$(PIP) --no-deps sglang==$(SGLANG_VERSION) torch-memory-saver==$(TMS_VERSION)
+	$(PIP) -r requirements/cpu-test.txt
+	$(PIP) --no-deps -e .
+	touch $@
+
+gpu-test:
+	python3 -m pytest -q -m gpu -s
+
+clean:
+	rm -rf $(VENV) build *.egg-info

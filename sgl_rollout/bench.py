@@ -1,0 +1,226 @@
+"""Benchmarks. ``python -m sgl_rollout.bench sync`` times the weight sync into a real SGLang engine.
+
+Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 2048, 22 layers,
+32000 vocab, bf16, ``load_format="dummy"``), each the median of ``--repeats`` runs:
+
+* ``per_tensor_2g``: per-tensor CUDA IPC handles in groups of up to 2 GiB, as verl sends them
+  (``update_weights_from_tensor`` without a load format);
+* ``flat_512m``: flattened buckets of 512 MiB, as slime sends them;
+* ``flat_2g``: flattened buckets of 2 GiB;
+* ``default``: this package's default (``RolloutConfig().update_weights_bucket_megabytes``);
+* ``d2d_copy``: one device-to-device copy of the same bytes, the physical limit.
+
+It prints a table of median seconds and GB/s (1e9 bytes of tensor data per second) and writes JSON.
+Engine starts must sit under ``if __name__ == "__main__":`` (SGLang spawns its scheduler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Tuple
+
+import torch
+
+# TinyLlama-1.1B's shape.
+LLAMA_1B = dict(
+    hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+)
+# Tiny Llama for exact comparisons against Hugging Face.
+LLAMA_TINY = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024,
+)
+
+
+def make_llama_dir(path: str, shape: Dict, dtype: torch.dtype = torch.bfloat16, with_weights: bool = False,
+                   seed: int = 0, init_std: float = 0.02):
+    """Write a Llama-shaped Hugging Face model folder (config, and weights when asked).
+
+    Args:
+        path: folder to write.
+        shape: LlamaConfig fields (``LLAMA_1B``, ``LLAMA_TINY``).
+        dtype: ``torch_dtype`` of the config and of the saved weights.
+        with_weights: save random weights (safetensors); else only config.json, for
+            ``load_format="dummy"``.
+        seed, init_std: random init of the weights (normal with this std).
+
+    Returns:
+        the ``LlamaForCausalLM`` (on CPU) when ``with_weights``, else None.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**shape, architectures=["LlamaForCausalLM"], tie_word_embeddings=False, initializer_range=init_std, torch_dtype=dtype,
+                      bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    os.makedirs(path, exist_ok=True)
+    if not with_weights:
+        cfg.save_pretrained(path)
+        return None
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def llama_named_tensors(shape: Dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                        seed: int = 0) -> List[Tuple[str, torch.Tensor]]:
+    """Random (name, tensor) pairs with Hugging Face Llama names and shapes, as a trainer sends them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    hd = h // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * hd
+
+    def rnd(*s):
+        return (torch.randn(*s, device=device, dtype=torch.float32, generator=g) * 0.02).to(dtype)
+
+    out = [("model.embed_tokens.weight", rnd(v, h))]
+    for layer in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        out += [
+            (p + "self_attn.q_proj.weight", rnd(h, h)),
+            (p + "self_attn.k_proj.weight", rnd(kv, h)),
+            (p + "self_attn.v_proj.weight", rnd(kv, h)),
+            (p + "self_attn.o_proj.weight", rnd(h, h)),
+            (p + "mlp.gate_proj.weight", rnd(i, h)),
+            (p + "mlp.up_proj.weight", rnd(i, h)),
+            (p + "mlp.down_proj.weight", rnd(h, i)),
+            (p + "input_layernorm.weight", torch.ones(h, device=device, dtype=dtype)),
+            (p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=dtype)),
+        ]
+    out += [("model.norm.weight", torch.ones(h, device=device, dtype=dtype)), ("lm_head.weight", rnd(v, h))]
+    return out
+
+
+def gpu_engine_flags() -> Dict:
+    """SGLang ServerArgs that work on the project's GPU host overlay (shared/gpu-overlay/README.md)."""
+    return dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none",
+                skip_tokenizer_init=True, log_level="error")
+
+
+def _timed(fn: Callable[[], None], repeats: int) -> List[float]:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _groups(named, limit):
+    from .weight_sync import iter_buckets
+
+    return list(iter_buckets(named, limit))
+
+
+def bench_sync(args) -> Dict:
+    from .config import RolloutConfig
+    from .engine import RolloutEngine
+    from .weight_sync import send_flattened_buckets
+
+    model_dir = os.path.join(args.workdir, "llama-1.1b")
+    make_llama_dir(model_dir, LLAMA_1B)
+    cfg = RolloutConfig(model_path=model_dir, load_format="dummy", gpu_memory_utilization=args.mem_fraction,
+                        enforce_eager=True, engine_kwargs=gpu_engine_flags())
+    default_mb = cfg.update_weights_bucket_megabytes
+    named = llama_named_tensors(LLAMA_1B)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    engine = RolloutEngine(cfg)
+    try:
+        raw = engine._engine
+
+        def per_tensor():
+            for group in _groups(named, 2 << 30):
+                ok, msg = raw.update_weights_from_tensor(group, load_format=None, flush_cache=False)
+                assert ok, msg
+            raw.flush_cache()
+            torch.cuda.ipc_collect()
+
+        def flat(mb):
+            return lambda: send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
+
+        flat_all = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(flat_all)
+        methods = {
+            "per_tensor_2g": per_tensor,
+            "flat_512m": flat(512),
+            "flat_2g": flat(2048),
+            f"default_{default_mb}m": flat(default_mb),
+            "d2d_copy": lambda: dst.copy_(flat_all),
+        }
+        results = {}
+        for name, fn in methods.items():
+            fn()  # warm-up
+            times = _timed(fn, args.repeats)
+            med = statistics.median(times)
+            results[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "times_s": times}
+        del flat_all, dst
+        peak = {}
+        for mb in (512, 2048, default_mb):
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
+            peak[f"flat_{mb}m"] = torch.cuda.max_memory_allocated() - base
+    finally:
+        engine.shutdown()
+    return {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "sglang": _version("sglang"),
+        "model": "llama-1.1b " + json.dumps(LLAMA_1B),
+        "bytes": nbytes,
+        "n_tensors": len(named),
+        "repeats": args.repeats,
+        "results": results,
+        "sender_peak_extra_bytes": peak,
+    }
+
+
+def _version(pkg):
+    from importlib.metadata import version
+
+    try:
+        return version(pkg)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def print_table(res: Dict) -> None:
+    print(f"\nweight sync into SGLang {res['sglang']} on {res['device']}: {res['n_tensors']} tensors, "
+          f"{res['bytes'] / 1e9:.2f} GB, median of {res['repeats']}")
+    print(f"{'method':<18}{'median ms':>12}{'GB/s':>10}")
+    for name, r in res["results"].items():
+        print(f"{name:<18}{r['median_s'] * 1e3:>12.2f}{r['gb_per_s']:>10.1f}")
+    for name, b in res.get("sender_peak_extra_bytes", {}).items():
+        print(f"sender peak extra, {name}: {b / 2**20:.0f} MiB")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("sync", help="time the weight sync methods into one engine")
+    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--mem-fraction", type=float, default=0.5)
+    s.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
+    s.add_argument("--out", default="bench_sync.json")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench sync needs a CUDA GPU", file=sys.stderr)
+        return 2
+    res = bench_sync(args)
+    print_table(res)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

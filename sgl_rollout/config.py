@@ -1,0 +1,157 @@
+"""Rollout settings, validated with pydantic.
+
+Key names follow verl's rollout config (``verl/workers/config/rollout.py``) wherever verl has
+one, so a verl user can pass ``actor_rollout_ref.rollout`` through unchanged. Everything else
+SGLang understands goes in ``engine_kwargs``, which is checked against the fields of SGLang's
+``ServerArgs`` dataclass (``sglang/srt/server_args.py``) of the installed SGLang.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from typing import Any, Dict, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# engine_kwargs keys that this config owns: (ServerArgs name -> config key to use instead).
+MANAGED_SERVER_ARGS: Dict[str, str] = {
+    "model_path": "model_path",
+    "dtype": "dtype",
+    "tp_size": "tensor_model_parallel_size",
+    "mem_fraction_static": "gpu_memory_utilization",
+    "enable_memory_saver": "(always on: the memory saver is what makes release/resume free memory)",
+    "enable_weights_cpu_backup": "enable_weights_cpu_backup",
+    "disable_cuda_graph": "enforce_eager",
+    "max_running_requests": "max_num_seqs",
+    "load_format": "load_format",
+    "disable_piecewise_cuda_graph": "(always on: piecewise CUDA graphs are never released)",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def server_args_fields() -> frozenset:
+    """Names of the fields of the installed SGLang's ``ServerArgs`` dataclass.
+
+    The source of ``sglang/srt/server_args.py`` is parsed, not imported: importing it pulls in
+    SGLang's whole serving stack (openai, fastapi, ...), which a config check must not need.
+
+    Returns:
+        frozenset of str: the annotated class attributes of ``ServerArgs``.
+
+    Raises:
+        ImportError: SGLang is not installed.
+        RuntimeError: the file has no ``ServerArgs`` class (an SGLang layout this code does not know).
+    """
+    spec = importlib.util.find_spec("sglang.srt.server_args")
+    if spec is None or spec.origin is None:
+        raise ImportError("sglang is not installed: cannot validate engine_kwargs")
+    with open(spec.origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=spec.origin)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "ServerArgs":
+            return frozenset(
+                stmt.target.id
+                for stmt in node.body
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+            )
+    raise RuntimeError(f"no ServerArgs class in {spec.origin}")
+
+
+class RolloutConfig(BaseModel):
+    """Settings of one SGLang rollout engine.
+
+    Attributes:
+        name: rollout backend; only ``"sglang"``.
+        model_path: Hugging Face model folder (or hub id) given to SGLang.
+        dtype: weight and activation dtype of the engine (``"auto"``, ``"bfloat16"``, ...).
+        tensor_model_parallel_size: TP size of the engine, 1 to 1024 (SGLang ``tp_size``).
+        gpu_memory_utilization: fraction of GPU memory SGLang takes for weights and KV cache,
+            in (0, 1] (SGLang ``mem_fraction_static``).
+        free_cache_engine: release GPU memory on ``sleep()`` and resume it on wake up. When False,
+            sleep and wake up do nothing (verl's meaning).
+        sleep_level: 1 releases the KV cache (and CUDA-graph memory); 2 also releases weights.
+        enable_weights_cpu_backup: keep a CPU copy of the weights when they are released, so a wake
+            up without a weight sync restores them (SGLang ``enable_weights_cpu_backup``).
+        update_weights_bucket_megabytes: largest flattened bucket in MiB for the weight sync; a
+            tensor larger than this travels alone. Peak extra GPU memory on the sending side is one
+            bucket.
+        enforce_eager: disable CUDA graphs (SGLang ``disable_cuda_graph``).
+        max_num_seqs: most requests running at once (SGLang ``max_running_requests``); None lets
+            SGLang choose.
+        load_format: SGLang load format; ``"dummy"`` gives random weights without reading files.
+        engine_kwargs: any other ``ServerArgs`` field, passed to ``sglang.Engine`` as is.
+
+    Raises:
+        pydantic.ValidationError: on a value out of range, naming the key and the allowed range; on an
+            ``engine_kwargs`` key that is not a ``ServerArgs`` field (the message lists the valid
+            ones) or that this config already owns (the message names the key to use).
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: Literal["sglang"] = "sglang"
+    model_path: str
+    dtype: str = "bfloat16"
+    tensor_model_parallel_size: int = Field(1, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    free_cache_engine: bool = True
+    sleep_level: Literal[1, 2] = 2
+    enable_weights_cpu_backup: bool = False
+    update_weights_bucket_megabytes: int = Field(2048, ge=1, le=65536)
+    enforce_eager: bool = False
+    max_num_seqs: Optional[int] = Field(None, ge=1)
+    load_format: str = "auto"
+    engine_kwargs: Dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, v: str) -> str:
+        allowed = ("auto", "half", "float16", "bfloat16", "float", "float32")
+        if v not in allowed:
+            raise ValueError(f"dtype must be one of {allowed}, got {v!r}")
+        return v
+
+    @field_validator("engine_kwargs")
+    @classmethod
+    def _check_engine_kwargs(cls, v: Dict[str, Any]) -> Dict[str, Any]:
+        owned = sorted(k for k in v if k in MANAGED_SERVER_ARGS)
+        if owned:
+            hints = ", ".join(f"{k} -> {MANAGED_SERVER_ARGS[k]}" for k in owned)
+            raise ValueError(f"engine_kwargs keys set through the rollout config instead: {hints}")
+        valid = server_args_fields()
+        unknown = sorted(k for k in v if k not in valid)
+        if unknown:
+            raise ValueError(
+                f"unknown engine_kwargs keys {unknown}; valid SGLang ServerArgs keys: "
+                f"{sorted(valid - MANAGED_SERVER_ARGS.keys())}"
+            )
+        return v
+
+    @property
+    def bucket_bytes(self) -> int:
+        """Largest bucket in bytes (``update_weights_bucket_megabytes`` * 2**20)."""
+        return self.update_weights_bucket_megabytes << 20
+
+    def to_server_args(self) -> Dict[str, Any]:
+        """Keyword arguments for ``sglang.Engine(**kwargs)``.
+
+        The memory saver is always on and piecewise CUDA graphs always off: without the first,
+        release/resume silently free nothing; the second are never released (SGLang 0.5.10).
+        """
+        kwargs: Dict[str, Any] = dict(
+            model_path=self.model_path,
+            dtype=self.dtype,
+            tp_size=self.tensor_model_parallel_size,
+            mem_fraction_static=self.gpu_memory_utilization,
+            enable_memory_saver=True,
+            enable_weights_cpu_backup=self.enable_weights_cpu_backup,
+            disable_cuda_graph=self.enforce_eager,
+            disable_piecewise_cuda_graph=True,
+            load_format=self.load_format,
+        )
+        if self.max_num_seqs is not None:
+            kwargs["max_running_requests"] = self.max_num_seqs
+        kwargs.update(self.engine_kwargs)
+        return kwargs

@@ -1,0 +1,1 @@
+"""Adapters that plug the rollout worker into RL trainers (verl first)."""

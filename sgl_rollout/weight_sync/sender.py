@@ -1,0 +1,123 @@
+"""Stream named tensors to an SGLang engine as flattened buckets over CUDA IPC.
+
+Per bucket: flatten into one GPU buffer (CPU tensors move to the GPU here, one bucket at a time),
+serialize the buffer's IPC handle with the device UUID (:mod:`.ipc`), hand SGLang one payload per
+TP rank (``update_weights_from_tensor(load_format="flattened_bucket")``), wait for the call to
+return (the scheduler has then copied the bucket into its weights), drop the buffer and
+``torch.cuda.ipc_collect()``. So the extra memory on the sending side is one bucket at a time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, List, Optional, Protocol, Union
+
+import torch
+
+from .bucket import NamedTensor, flatten_bucket, iter_buckets
+from .ipc import serialize
+
+
+class TensorUpdateTarget(Protocol):
+    """What the sender needs of an engine: SGLang's ``Engine`` and :class:`sgl_rollout.engine.RolloutEngine` fit."""
+
+    def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None, flush_cache: bool = True):
+        """Load one payload per TP rank."""
+
+    def flush_cache(self):
+        """Drop the prefix cache (stale after new weights)."""
+
+
+@dataclass
+class SyncStats:
+    """Figures of one weight sync.
+
+    Attributes:
+        n_tensors: tensors sent.
+        n_buckets: buckets sent.
+        bytes: bytes of tensor data sent (no padding).
+        seconds: wall time of the whole sync, flush included.
+        max_bucket_bytes: largest flat buffer allocated, padding included (the sender's extra peak).
+    """
+
+    n_tensors: int = 0
+    n_buckets: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    max_bucket_bytes: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        """Throughput in GB/s (1e9 bytes), 0 when nothing was timed."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def send_flattened_buckets(
+    engine: TensorUpdateTarget,
+    named_tensors: Iterable[NamedTensor],
+    bucket_bytes: int,
+    tp_size: int = 1,
+    device: Optional[Union[int, str, torch.device]] = None,
+    on_bucket: Optional[Callable[[int, int], None]] = None,
+) -> SyncStats:
+    """Send ``named_tensors`` to ``engine`` in flattened buckets of at most ``bucket_bytes``.
+
+    Every TP rank gets the same payload (the full tensors; SGLang's weight loaders take each
+    rank's shard). With several senders, one per TP rank (as under Ray), use :func:`make_payload`
+    on each and gather the payloads in rank order instead.
+
+    Args:
+        engine: target with ``update_weights_from_tensor`` and ``flush_cache``.
+        named_tensors: (name, tensor) pairs in HF naming; CPU or CUDA, any dtypes, consumed lazily.
+        bucket_bytes: most bytes per bucket (a larger tensor travels alone).
+        tp_size: number of TP ranks of the engine.
+        device: device for the buffers; None: ``torch.cuda.current_device()`` (the CPU without CUDA).
+        on_bucket: called after each bucket with (bucket index, bytes) (progress reporting).
+
+    Returns:
+        SyncStats of the sync.
+
+    Raises:
+        RuntimeError: the engine reports a failed load (its message is included). The engine's
+            weights may then be partly updated (SGLang says so too); sync again before generating.
+    """
+    if device is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    stats = SyncStats()
+    t0 = time.perf_counter()
+    for i, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
+        data, flat = make_payload(bucket, device=device)
+        stats.max_bucket_bytes = max(stats.max_bucket_bytes, flat.nbytes)
+        result = engine.update_weights_from_tensor([data] * tp_size, load_format="flattened_bucket", flush_cache=False)
+        _raise_on_failure(result)
+        stats.n_tensors += len(bucket)
+        stats.n_buckets += 1
+        nbytes = sum(m.end_idx - m.start_idx for m in flat.metadata)
+        stats.bytes += nbytes
+        del flat, data, bucket
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        if on_bucket is not None:
+            on_bucket(i, nbytes)
+    if stats.n_buckets:
+        engine.flush_cache()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def make_payload(bucket: List[NamedTensor], device: Optional[Union[int, str, torch.device]] = None):
+    """Flatten one bucket and serialize it for one TP rank.
+
+    Returns:
+        (payload bytes, FlatBucket). Keep the FlatBucket alive until the engine call that uses the
+        payload has returned.
+    """
+    flat = flatten_bucket(bucket, device=device)
+    return serialize(flat.payload()), flat
+
+
+def _raise_on_failure(result) -> None:
+    # SGLang's Engine returns (success, message); a failure must not pass silently (garbled output).
+    if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
+        raise RuntimeError(f"SGLang failed to load a weight bucket: {result[1]}")

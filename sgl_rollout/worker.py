@@ -1,0 +1,172 @@
+"""The rollout worker: sleep by level, and the staged (multi-stage) wake with the weight sync.
+
+Staged wake, the order ``update_weights`` runs (after SGLang's RL team's multi-stage wake-up, as
+verl's ``SGLangRollout`` does it with ``resume(tags=["weights"])`` then ``resume(tags=["kv_cache"])``):
+
+1. resume ``weights`` (only the weights come back: the KV cache is still released);
+2. stream the new weights in flattened buckets over CUDA IPC;
+3. call the trainer's offload callback (move optimizer state and parameters to CPU);
+4. ``aggressive_empty_cache()`` so the trainer's freed blocks go back to the driver;
+5. resume ``kv_cache`` (and ``cuda_graph``).
+
+At no point do the trainer's parameters and the engine's KV cache sit on the GPU together, which is
+what lets the KV cache take a large memory fraction without an OOM at the train-to-rollout switch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Dict, Iterable, List, Optional
+
+from .config import RolloutConfig
+from .engine import Generation, RolloutEngine
+from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache
+from .weight_sync import SyncStats, send_flattened_buckets
+from .weight_sync.bucket import NamedTensor
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutWorker:
+    """One rollout engine and its memory life cycle.
+
+    Args:
+        config: rollout settings (``free_cache_engine``, ``sleep_level``, bucket size, ...).
+        engine: a started :class:`RolloutEngine`; None starts one from ``config``.
+        timeline: where phases are recorded; None makes a new :class:`MemoryTimeline`.
+
+    Attributes:
+        timeline: device memory after each phase (``sleep``, ``resume_weights``, ``sync``,
+            ``offload_trainer``, ``empty_cache``, ``resume_kv_cache``, ``wake_up``).
+        last_phase_seconds: seconds each phase of the last sleep or wake took.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        engine: Optional[RolloutEngine] = None,
+        timeline: Optional[MemoryTimeline] = None,
+    ):
+        self.config = config
+        self.engine = engine if engine is not None else RolloutEngine(config)
+        self.timeline = timeline if timeline is not None else MemoryTimeline()
+        self.last_phase_seconds: Dict[str, float] = {}
+        self.timeline.record("engine_ready")
+
+    # ----------------------------------------------------------------- helpers
+    def _phase(self, name: str, t0: float) -> float:
+        now = time.perf_counter()
+        self.last_phase_seconds[name] = now - t0
+        self.timeline.record(name)
+        return now
+
+    def release_tags(self) -> List[str]:
+        """Tags ``sleep()`` releases: level 1 the KV cache (and CUDA graphs), level 2 also the weights."""
+        tags = [t for t in self.engine.tags if t != WEIGHTS]
+        if self.config.sleep_level == 2:
+            tags.insert(0, WEIGHTS)
+        return tags
+
+    @property
+    def asleep(self) -> bool:
+        """True while any memory region is released."""
+        return bool(self.engine.state.released)
+
+    # ----------------------------------------------------------------- API
+    def generate(self, input_ids: List[List[int]], sampling_params: Optional[dict] = None, n: int = 1, return_logprob: bool = True) -> List[List[Generation]]:
+        """Sample ``n`` completions per prompt; see :meth:`RolloutEngine.generate`."""
+        return self.engine.generate(input_ids, sampling_params, n=n, return_logprob=return_logprob)
+
+    def sleep(self) -> List[str]:
+        """Release GPU memory per ``sleep_level``; nothing when ``free_cache_engine`` is False.
+
+        Returns:
+            the tags released.
+
+        Raises:
+            MemoryStateError: already asleep, or requests are running.
+        """
+        self.last_phase_seconds = {}
+        if not self.config.free_cache_engine:
+            return []
+        t0 = time.perf_counter()
+        tags = self.engine.release(self.release_tags())
+        self._phase("sleep", t0)
+        return tags
+
+    def wake_up(self) -> List[str]:
+        """Resume every released region without a weight sync (weights first, then KV cache).
+
+        With ``sleep_level=2`` and no ``enable_weights_cpu_backup`` the weights come back with
+        undefined contents: use :meth:`update_weights` instead, which syncs between the stages.
+
+        Returns:
+            the tags resumed.
+        """
+        resumed: List[str] = []
+        t0 = time.perf_counter()
+        if WEIGHTS in self.engine.state.released:
+            if not self.config.enable_weights_cpu_backup:
+                logger.warning("waking up released weights without a sync or CPU backup: their contents are undefined")
+            resumed += self.engine.resume([WEIGHTS])
+            t0 = self._phase("resume_weights", t0)
+        rest = [t for t in (KV_CACHE, CUDA_GRAPH) if t in self.engine.state.released]
+        if rest:
+            resumed += self.engine.resume(rest)
+            self._phase("resume_kv_cache", t0)
+        return resumed
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[NamedTensor],
+        offload_trainer: Optional[Callable[[], None]] = None,
+    ) -> SyncStats:
+        """Staged wake with a weight sync (see the module docstring for the order).
+
+        Works asleep or awake: stages whose tags are resident are skipped, so with
+        ``free_cache_engine=False`` nothing is released or resumed, only synced.
+
+        Args:
+            named_tensors: (name, tensor) in Hugging Face naming, CPU or CUDA, consumed lazily.
+            offload_trainer: called once the engine holds the new weights and before the KV cache
+                returns; it should move the trainer's parameters, gradients and optimizer state off
+                the GPU.
+
+        Returns:
+            SyncStats of the sync; per-phase seconds are in ``last_phase_seconds``.
+
+        Raises:
+            RuntimeError: SGLang failed to load a bucket (its weights may be partly new).
+        """
+        self.last_phase_seconds = {}
+        t_start = t0 = time.perf_counter()
+        if WEIGHTS in self.engine.state.released:
+            self.engine.resume([WEIGHTS])
+            t0 = self._phase("resume_weights", t0)
+        stats = send_flattened_buckets(
+            self.engine,
+            named_tensors,
+            bucket_bytes=self.config.bucket_bytes,
+            tp_size=self.config.tensor_model_parallel_size,
+        )
+        t0 = self._phase("sync", t0)
+        if offload_trainer is not None:
+            offload_trainer()
+            t0 = self._phase("offload_trainer", t0)
+        aggressive_empty_cache()
+        t0 = self._phase("empty_cache", t0)
+        rest = [t for t in (KV_CACHE, CUDA_GRAPH) if t in self.engine.state.released]
+        if rest:
+            self.engine.resume(rest)
+            self._phase("resume_kv_cache", t0)
+        self.last_phase_seconds["switch_total"] = time.perf_counter() - t_start
+        logger.info(
+            "weight sync: %d tensors, %d buckets, %.1f MB in %.1f ms (%.1f GB/s)",
+            stats.n_tensors, stats.n_buckets, stats.bytes / 1e6, stats.seconds * 1e3, stats.gb_per_s,
+        )
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop the engine (only its own processes)."""
+        self.engine.shutdown()

@@ -1,0 +1,28 @@
+"""Make SGLang's pure-Python modules importable on a CPU-only test machine.
+
+``sglang/srt/utils/common.py`` imports ``torchvision.io.decode_jpeg`` at module level (for image
+inputs). No CPU build of torchvision exists for the CPU torch these tests install, and the CUDA
+build cannot load there, so when torchvision is missing a module that has only ``decode_jpeg``,
+raising if called, stands in. No test decodes images; every SGLang function the tests use is the
+real one.
+"""
+
+import importlib.util
+import sys
+import types
+
+
+def ensure_sglang_importable() -> None:
+    """Install the torchvision stand-in if torchvision cannot be found."""
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        return
+
+    def decode_jpeg(*args, **kwargs):
+        raise RuntimeError("torchvision is not installed in the CPU test environment")
+
+    tv = types.ModuleType("torchvision")
+    io = types.ModuleType("torchvision.io")
+    io.decode_jpeg = decode_jpeg
+    tv.io = io
+    sys.modules["torchvision"] = tv
+    sys.modules["torchvision.io"] = io

@@ -1,0 +1,93 @@
+import pytest
+import torch
+
+from sgl_rollout.weight_sync import ALIGN, flatten_bucket, iter_buckets, tensor_nbytes
+
+
+def _bits(t):
+    return t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+def _mixed():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(8, 6, generator=g)
+    return [
+        ("a.int8", torch.randint(-100, 100, (3,), dtype=torch.int8, generator=g)),  # odd size before fp32
+        ("b.fp32", torch.randn(5, generator=g)),
+        ("c.bf16", torch.randn(4, 7, generator=g).to(torch.bfloat16)),
+        ("d.view", base[2:5]),  # a view with a storage offset
+        ("e.transposed", base.t()),  # non-contiguous
+        ("f.strided", base[:, ::2]),  # non-contiguous slice
+        ("g.scalar", torch.tensor(3.5, dtype=torch.float64)),
+        ("h.empty", torch.empty(0, 4, dtype=torch.float16)),
+        ("i.bool", torch.tensor([True, False, True])),
+    ]
+
+
+def test_empty_input_gives_no_bucket():
+    assert list(iter_buckets([], 1024)) == []
+    with pytest.raises(ValueError):
+        flatten_bucket([])
+
+
+def test_bad_bucket_size_and_items():
+    with pytest.raises(ValueError):
+        list(iter_buckets([("x", torch.zeros(1))], 0))
+    with pytest.raises(ValueError):
+        list(iter_buckets([("x", [1, 2])], 10))
+
+
+def test_huge_tensor_travels_alone_and_order_kept():
+    small = [(f"s{i}", torch.zeros(16)) for i in range(3)]  # 64 B each -> one ALIGN slot each
+    huge = ("huge", torch.zeros(10_000))
+    items = small[:2] + [huge] + small[2:]
+    buckets = list(iter_buckets(items, bucket_bytes=2 * ALIGN))
+    names = [[n for n, _ in b] for b in buckets]
+    assert names == [["s0", "s1"], ["huge"], ["s2"]]
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in items]
+
+
+def test_buckets_respect_limit():
+    items = [(f"t{i}", torch.zeros(i * 10 + 1, dtype=torch.float32)) for i in range(50)]
+    limit = 1000
+    for b in iter_buckets(items, limit):
+        total = sum((tensor_nbytes(t) + ALIGN - 1) // ALIGN * ALIGN for _, t in b)
+        assert len(b) == 1 or total <= limit
+
+
+def test_iter_buckets_is_lazy():
+    pulled = []
+
+    def gen():
+        for i in range(10):
+            pulled.append(i)
+            yield f"t{i}", torch.zeros(16)
+
+    it = iter_buckets(gen(), 2 * ALIGN)
+    first = next(it)
+    assert [n for n, _ in first] == ["t0", "t1"]
+    assert len(pulled) <= 3
+
+
+def test_flatten_mixed_dtypes_views_noncontiguous_bit_identical():
+    items = _mixed()
+    flat = flatten_bucket(items)
+    assert flat.flattened_tensor.dtype == torch.uint8 and flat.flattened_tensor.dim() == 1
+    for m in flat.metadata:
+        assert m.start_idx % ALIGN == 0 and m.numel == m.end_idx - m.start_idx
+    rebuilt = flat.tensors()
+    assert [n for n, _ in rebuilt] == [n for n, _ in items]
+    for (_, src), (_, got) in zip(items, rebuilt):
+        assert got.dtype == src.dtype and got.shape == src.shape
+        assert torch.equal(_bits(got), _bits(src))
+
+
+def test_flatten_into_given_buffer_and_reject_small_one():
+    items = _mixed()
+    out = torch.full((1 << 16,), 0xAB, dtype=torch.uint8)
+    flat = flatten_bucket(items, out=out)
+    assert flat.flattened_tensor.data_ptr() == out.data_ptr()
+    for (_, src), (_, got) in zip(items, flat.tensors()):
+        assert torch.equal(_bits(got), _bits(src))
+    with pytest.raises(ValueError):
+        flatten_bucket(items, out=torch.empty(8, dtype=torch.uint8))

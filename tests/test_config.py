@@ -1,0 +1,70 @@
+import pytest
+from pydantic import ValidationError
+
+from sgl_rollout.config import MANAGED_SERVER_ARGS, RolloutConfig, server_args_fields
+
+
+def test_defaults_and_server_args():
+    cfg = RolloutConfig(model_path="/m", tensor_model_parallel_size=2, gpu_memory_utilization=0.8, max_num_seqs=64,
+                        enforce_eager=True, engine_kwargs={"attention_backend": "triton"})
+    kw = cfg.to_server_args()
+    assert kw["tp_size"] == 2
+    assert kw["mem_fraction_static"] == 0.8
+    assert kw["max_running_requests"] == 64
+    assert kw["enable_memory_saver"] is True
+    assert kw["disable_piecewise_cuda_graph"] is True
+    assert kw["disable_cuda_graph"] is True
+    assert kw["attention_backend"] == "triton"
+    assert cfg.bucket_bytes == 2048 << 20
+    assert cfg.name == "sglang" and cfg.sleep_level == 2 and cfg.free_cache_engine
+
+
+def test_every_server_arg_we_emit_exists_in_installed_sglang():
+    fields = server_args_fields()
+    assert "enable_memory_saver" in fields and "tp_size" in fields
+    emitted = RolloutConfig(model_path="/m", max_num_seqs=1).to_server_args()
+    assert set(emitted) <= fields
+    assert set(MANAGED_SERVER_ARGS) <= fields
+
+
+@pytest.mark.parametrize(
+    "key,value,needle",
+    [
+        ("gpu_memory_utilization", 1.5, "less than or equal to 1"),
+        ("gpu_memory_utilization", 0.0, "greater than 0"),
+        ("tensor_model_parallel_size", 0, "greater than or equal to 1"),
+        ("sleep_level", 3, "1 or 2"),
+        ("update_weights_bucket_megabytes", 0, "greater than or equal to 1"),
+        ("max_num_seqs", 0, "greater than or equal to 1"),
+        ("name", "vllm", "'sglang'"),
+        ("dtype", "int3", "dtype must be one of"),
+    ],
+)
+def test_bad_values_name_key_and_range(key, value, needle):
+    with pytest.raises(ValidationError) as e:
+        RolloutConfig(model_path="/m", **{key: value})
+    msg = str(e.value)
+    assert key in msg and needle in msg
+
+
+def test_unknown_top_level_key_rejected():
+    with pytest.raises(ValidationError, match="gpu_mem_util"):
+        RolloutConfig(model_path="/m", gpu_mem_util=0.5)
+
+
+def test_unknown_engine_kwarg_lists_valid_keys():
+    with pytest.raises(ValidationError) as e:
+        RolloutConfig(model_path="/m", engine_kwargs={"attention_backnd": "triton"})
+    msg = str(e.value)
+    assert "attention_backnd" in msg and "attention_backend" in msg and "valid SGLang ServerArgs keys" in msg
+
+
+def test_engine_kwarg_owned_by_config_is_rejected():
+    with pytest.raises(ValidationError, match="tp_size -> tensor_model_parallel_size"):
+        RolloutConfig(model_path="/m", engine_kwargs={"tp_size": 2})
+
+
+def test_assignment_is_validated():
+    cfg = RolloutConfig(model_path="/m")
+    with pytest.raises(ValidationError):
+        cfg.gpu_memory_utilization = 2.0

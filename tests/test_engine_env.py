@@ -1,0 +1,88 @@
+import atexit
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fakes import FakeSGLangEngine
+from sgl_rollout.config import RolloutConfig
+from sgl_rollout.engine import RolloutEngine, engine_env_updates, patched_environ, strip_expandable_segments
+from sgl_rollout.patches import tp_memory_imbalance as tpi
+
+
+@pytest.mark.parametrize(
+    "conf,expected",
+    [
+        (None, None),
+        ("", None),
+        ("expandable_segments:True", None),
+        ("expandable_segments:True,max_split_size_mb:128", "max_split_size_mb:128"),
+        ("max_split_size_mb:128, expandable_segments:False,garbage_collection_threshold:0.6",
+         "max_split_size_mb:128,garbage_collection_threshold:0.6"),
+    ],
+)
+def test_strip_expandable_segments(conf, expected):
+    assert strip_expandable_segments(conf) == expected
+
+
+def test_engine_env_updates():
+    u = engine_env_updates("0.5.10", base={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert u == {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1", "PYTORCH_CUDA_ALLOC_CONF": None, tpi.NEW_VAR: "0", tpi.LEGACY_VAR: None}
+    u = engine_env_updates("0.5.10", base={}, disable_tp_imbalance_check=False)
+    assert u == {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
+
+
+def test_patched_environ_restores(monkeypatch):
+    monkeypatch.setenv("A_KEEP", "1")
+    monkeypatch.delenv("B_NEW", raising=False)
+    with patched_environ({"A_KEEP": None, "B_NEW": "x"}):
+        assert "A_KEEP" not in os.environ and os.environ["B_NEW"] == "x"
+    assert os.environ["A_KEEP"] == "1" and "B_NEW" not in os.environ
+
+
+def test_engine_processes_see_the_env_and_host_env_is_restored(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,max_split_size_mb:64")
+    monkeypatch.setenv(tpi.LEGACY_VAR, "true")
+    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
+    eng = RolloutEngine(RolloutConfig(model_path="/fake"), engine_factory=FakeSGLangEngine)
+    seen = eng._engine.env_at_start
+    assert seen["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] == "1"
+    assert seen["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64"
+    assert seen[tpi.NEW_VAR] == "0" and tpi.LEGACY_VAR not in seen
+    assert eng._engine.server_args["enable_memory_saver"] is True
+    # the host keeps its own settings
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
+    assert os.environ[tpi.LEGACY_VAR] == "true"
+    assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
+    eng.shutdown()
+
+
+class _SpawningEngine(FakeSGLangEngine):
+    """Starts a child process, as SGLang starts its scheduler."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        atexit.register(self.shutdown)  # as sglang.Engine does
+
+
+def test_shutdown_ends_only_the_engines_processes(monkeypatch):
+    unregistered = []
+    real_unregister = atexit.unregister
+    monkeypatch.setattr(atexit, "unregister", lambda f: (unregistered.append(f), real_unregister(f)))
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        eng = RolloutEngine(RolloutConfig(model_path="/fake"), engine_factory=_SpawningEngine)
+        child = eng._engine.proc
+        assert eng._child_pids == [child.pid]
+        eng.shutdown()
+        assert child.wait(timeout=15) is not None
+        assert bystander.poll() is None  # the unrelated child of the host still runs
+        eng.shutdown()  # idempotent
+        # SGLang's atexit hook (which kills every child of the host) was removed, and never ran
+        assert eng._engine.shutdown in unregistered
+        assert ("sglang_shutdown",) not in eng._engine.calls
+    finally:
+        bystander.kill()
+        bystander.wait()
