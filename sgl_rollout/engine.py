@@ -206,17 +206,63 @@ class RolloutEngine:
             MemoryStateError: a memory region is released (call wake up first).
             ValueError: ``n`` < 1 or an empty batch.
         """
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not input_ids:
-            raise ValueError("empty batch")
-        batch = [list(p) for p in input_ids for _ in range(n)]
+        batch = _expand(input_ids, n)
         with self.state.request():
             outs = self._engine.generate(
                 input_ids=batch, sampling_params=dict(sampling_params or {}), return_logprob=return_logprob
             )
-        gens = [_to_generation(o, return_logprob) for o in outs]
-        return [gens[i * n : (i + 1) * n] for i in range(len(input_ids))]
+        return _group(outs, n, return_logprob)
+
+    async def async_generate(
+        self,
+        input_ids: List[List[int]],
+        sampling_params: Optional[Dict[str, Any]] = None,
+        n: int = 1,
+        return_logprob: bool = True,
+    ) -> List[List[Generation]]:
+        """:meth:`generate` for code that runs inside an event loop (a Ray async actor, say).
+
+        Concurrent calls are batched by SGLang's scheduler. Same arguments, return value and errors
+        as :meth:`generate`.
+        """
+        batch = _expand(input_ids, n)
+        with self.state.request():
+            outs = await self._engine.async_generate(
+                input_ids=batch, sampling_params=dict(sampling_params or {}), return_logprob=return_logprob
+            )
+        return _group(outs, n, return_logprob)
+
+    async def async_release(self, tags: Optional[Sequence[str]] = None) -> List[str]:
+        """:meth:`release` from inside an event loop (SGLang's tokenizer-manager coroutine)."""
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+        tags = self.state.begin_release(tags)
+        await self._engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None)
+        self.state.commit(tags, released=True)
+        return tags
+
+    async def async_resume(self, tags: Optional[Sequence[str]] = None) -> List[str]:
+        """:meth:`resume` from inside an event loop."""
+        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+
+        tags = self.state.begin_resume(tags)
+        await self._engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None)
+        self.state.commit(tags, released=False)
+        return tags
+
+    async def async_update_weights_from_tensor(self, payloads: list, load_format: Optional[str] = None, flush_cache: bool = False):
+        """:meth:`update_weights_from_tensor` from inside an event loop; returns ``(success, message)``."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+
+        if self.state.is_released(WEIGHTS):
+            raise MemoryStateError("weights are released: resume 'weights' before loading new weights")
+        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format, flush_cache=flush_cache)
+        return await self._engine.tokenizer_manager.update_weights_from_tensor(req, None)
+
+    async def async_flush_cache(self) -> None:
+        """:meth:`flush_cache` from inside an event loop."""
+        if not self.state.is_released(KV_CACHE):
+            await self._engine.tokenizer_manager.flush_cache()
 
     # ----------------------------------------------------------------- memory
     def release(self, tags: Optional[Sequence[str]] = None) -> List[str]:
@@ -299,6 +345,21 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if not input_ids:
+        raise ValueError("empty batch")
+    return [list(p) for p in input_ids for _ in range(n)]
+
+
+def _group(outs: List[Dict[str, Any]], n: int, with_logprob: bool) -> List[List[Generation]]:
+    if isinstance(outs, dict):  # SGLang returns a bare dict for a batch of one
+        outs = [outs]
+    gens = [_to_generation(o, with_logprob) for o in outs]
+    return [gens[i : i + n] for i in range(0, len(gens), n)]
 
 
 def _to_generation(out: Dict[str, Any], with_logprob: bool) -> Generation:

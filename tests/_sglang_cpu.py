@@ -2,9 +2,10 @@
 
 ``sglang/srt/utils/common.py`` imports ``torchvision.io.decode_jpeg`` at module level (for image
 inputs). No CPU build of torchvision exists for the CPU torch these tests install, and the CUDA
-build cannot load there, so when torchvision is missing a module that has only ``decode_jpeg``,
-raising if called, stands in. No test decodes images; every SGLang function the tests use is the
-real one.
+build cannot load there. So when torchvision is missing, a module holding only ``decode_jpeg``
+(raising if called) stands in while ``sglang.srt.utils`` is imported, and is removed from
+``sys.modules`` right after, so other libraries (transformers) still see no torchvision. No test
+decodes images; every SGLang function the tests use is the real one.
 """
 
 import importlib.util
@@ -13,7 +14,7 @@ import types
 
 
 def ensure_sglang_importable() -> None:
-    """Install the torchvision stand-in if torchvision cannot be found."""
+    """Import ``sglang.srt.utils`` with the torchvision stand-in if torchvision cannot be found."""
     if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
         return
 
@@ -26,3 +27,7 @@ def ensure_sglang_importable() -> None:
     tv.io = io
     sys.modules["torchvision"] = tv
     sys.modules["torchvision.io"] = io
+    try:
+        import sglang.srt.utils  # noqa: F401
+    finally:
+        del sys.modules["torchvision"], sys.modules["torchvision.io"]

@@ -7,10 +7,11 @@
 
 from .bucket import ALIGN, FlatBucket, flatten_bucket, iter_buckets, tensor_nbytes
 from .ipc import device_uuid, serialize
-from .sender import SyncStats, make_payload, send_flattened_buckets
+from .sender import BucketStream, SyncStats, make_payload, send_flattened_buckets
 
 __all__ = [
     "ALIGN",
+    "BucketStream",
     "FlatBucket",
     "SyncStats",
     "device_uuid",

@@ -121,3 +121,50 @@ def _raise_on_failure(result) -> None:
     # SGLang's Engine returns (success, message); a failure must not pass silently (garbled output).
     if isinstance(result, tuple) and len(result) >= 2 and result[0] is False:
         raise RuntimeError(f"SGLang failed to load a weight bucket: {result[1]}")
+
+
+class BucketStream:
+    """Trainer side of a sync driven from outside (a Ray driver, a TP leader): one payload per call.
+
+    ``next_payload()`` flattens the next bucket on this process's GPU and returns its serialized payload;
+    the buffer stays alive until ``release()``, which the driver calls once the engine has loaded the
+    bucket. So this process holds at most one bucket of extra memory.
+
+    Args:
+        named_tensors: (name, tensor) pairs, consumed lazily.
+        bucket_bytes: most bytes per bucket.
+        device: device for the buffers; None: the current CUDA device (the CPU without CUDA).
+    """
+
+    def __init__(self, named_tensors: Iterable[NamedTensor], bucket_bytes: int,
+                 device: Optional[Union[int, str, torch.device]] = None):
+        if device is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        self._buckets = iter_buckets(named_tensors, bucket_bytes)
+        self._device = device
+        self._held = None
+        self.stats = SyncStats()
+
+    def next_payload(self) -> Optional[bytes]:
+        """Serialized payload of the next bucket, or None when all were sent.
+
+        Raises:
+            RuntimeError: the previous bucket was not released.
+        """
+        if self._held is not None:
+            raise RuntimeError("release() the previous bucket first")
+        bucket = next(self._buckets, None)
+        if bucket is None:
+            return None
+        data, self._held = make_payload(bucket, device=self._device)
+        self.stats.n_buckets += 1
+        self.stats.n_tensors += len(bucket)
+        self.stats.bytes += sum(m.end_idx - m.start_idx for m in self._held.metadata)
+        self.stats.max_bucket_bytes = max(self.stats.max_bucket_bytes, self._held.nbytes)
+        return data
+
+    def release(self) -> None:
+        """Drop the current bucket's buffer (the engine has copied it) and collect closed IPC blocks."""
+        self._held = None
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()

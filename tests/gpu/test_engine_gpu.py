@@ -11,6 +11,8 @@ from sgl_rollout.config import RolloutConfig
 from sgl_rollout.memory import MemoryStateError, device_memory
 from sgl_rollout.worker import RolloutWorker
 
+from .greedy import assert_greedy_equal
+
 PROMPTS = [[1, 17, 42, 99, 7], [1, 500, 3, 3, 3, 8], [1, 1000, 256], [1, 64, 65, 66, 67, 68, 69]]
 NEW_TOKENS = 12
 
@@ -26,41 +28,6 @@ def tiny(tmp_path_factory):
     worker = RolloutWorker(cfg)
     yield worker, model.cuda().eval()
     worker.shutdown()
-
-
-def hf_greedy(model, prompts, n):
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device="cuda")
-            for _ in range(n):
-                nxt = model(ids).logits[0, -1].argmax()
-                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-            outs.append(ids[0, len(p):].tolist())
-    return outs
-
-
-# Both sides run bf16 with different kernels (SGLang's triton attention and sgl_kernel rmsnorm vs HF's
-# torch, whose lm_head output is itself rounded to bf16), so two candidates whose logits differ by less
-# than bf16 rounding may swap. A position where the engine's token is not HF's argmax counts as a
-# near-tie only when HF's logit for it is within NEAR_TIE of the max (the logits of this model have a
-# standard deviation of about 2.5, where bf16 steps are 1/64 to 1/32); wrong or garbled weights miss by
-# whole units.
-NEAR_TIE = 0.15
-
-
-def assert_greedy_equal(model, prompts, got):
-    want = hf_greedy(model, prompts, len(got[0]))
-    if got == want:
-        return
-    with torch.no_grad():
-        for p, g in zip(prompts, got):
-            ids = torch.tensor([p + g], device="cuda")
-            logits = model(ids).logits[0, len(p) - 1 : -1].float()
-            gap = logits.max(-1).values - logits.gather(-1, torch.tensor(g, device="cuda")[:, None])[:, 0]
-            # every engine token is HF's argmax for the same prefix, up to a near-tie
-            assert float(gap.max()) < NEAR_TIE, f"{g}: token {int(gap.argmax())} misses HF argmax by {float(gap.max()):.3f}"
-            print(f"near-tie swaps vs HF: {int((gap > 0).sum())} of {len(g)} tokens")
 
 
 def engine_greedy(worker, prompts, n):
