@@ -62,10 +62,8 @@ def apply(env: MutableMapping[str, str] = os.environ, sglang_version: Optional[s
     Returns:
         the updates applied, as :func:`env_updates` gives them.
     """
+    from . import apply_env_updates
+
     updates = env_updates(sglang_version)
-    for key, value in updates.items():
-        if value is None:
-            env.pop(key, None)
-        else:
-            env[key] = value
+    apply_env_updates(env, updates)
     return updates

@@ -41,13 +41,10 @@ def _memory_saver_hook() -> str:
 
 def _imbalance_vars() -> str:
     from .engine import engine_env_updates
+    from .patches import apply_env_updates
 
     env = dict(os.environ)
-    for k, v in engine_env_updates(base=env).items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = v
+    apply_env_updates(env, engine_env_updates(base=env))
     probe = ("import json, warnings; warnings.simplefilter('ignore'); from sglang.srt.environ import envs;"
              "print(envs.SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK.get())")
     try:

@@ -75,20 +75,14 @@ def engine_env_updates(
 @contextlib.contextmanager
 def patched_environ(updates: Dict[str, Optional[str]]) -> Iterator[None]:
     """Apply ``updates`` to ``os.environ`` (None removes a variable) and restore it on exit."""
+    from .patches import apply_env_updates
+
     saved = {k: os.environ.get(k) for k in updates}
     try:
-        for k, v in updates.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply_env_updates(os.environ, updates)
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        apply_env_updates(os.environ, saved)
 
 
 @dataclass
@@ -234,29 +228,24 @@ class RolloutEngine:
 
     async def async_release(self, tags: Optional[Sequence[str]] = None) -> List[str]:
         """:meth:`release` from inside an event loop (SGLang's tokenizer-manager coroutine)."""
-        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
-
         tags = self.state.begin_release(tags)
-        await self._engine.tokenizer_manager.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=tags), None)
+        await self._engine.tokenizer_manager.release_memory_occupation(_req("ReleaseMemoryOccupationReqInput", tags=tags), None)
         self.state.commit(tags, released=True)
         return tags
 
     async def async_resume(self, tags: Optional[Sequence[str]] = None) -> List[str]:
         """:meth:`resume` from inside an event loop."""
-        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
-
         tags = self.state.begin_resume(tags)
-        await self._engine.tokenizer_manager.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=tags), None)
+        await self._engine.tokenizer_manager.resume_memory_occupation(_req("ResumeMemoryOccupationReqInput", tags=tags), None)
         self.state.commit(tags, released=False)
         return tags
 
     async def async_update_weights_from_tensor(self, payloads: list, load_format: Optional[str] = None, flush_cache: bool = False):
         """:meth:`update_weights_from_tensor` from inside an event loop; returns ``(success, message)``."""
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-
         if self.state.is_released(WEIGHTS):
             raise MemoryStateError("weights are released: resume 'weights' before loading new weights")
-        req = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format, flush_cache=flush_cache)
+        req = _req("UpdateWeightsFromTensorReqInput", serialized_named_tensors=payloads, load_format=load_format,
+                   flush_cache=flush_cache)
         return await self._engine.tokenizer_manager.update_weights_from_tensor(req, None)
 
     async def async_flush_cache(self) -> None:
@@ -345,6 +334,13 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _req(cls_name: str, **fields):
+    """An SGLang request object (``sglang/srt/managers/io_struct.py``) for the tokenizer manager."""
+    from sglang.srt.managers import io_struct
+
+    return getattr(io_struct, cls_name)(**fields)
 
 
 def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:

@@ -73,3 +73,31 @@ class FakeSGLangEngine:
 
     def shutdown(self):
         self.calls.append(("sglang_shutdown",))
+
+
+class _FakeTokenizerManager:
+    """The coroutines RolloutEngine's async methods call, delegating to the sync fake."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    async def release_memory_occupation(self, obj, request):
+        self.engine.release_memory_occupation(obj.tags)
+
+    async def resume_memory_occupation(self, obj, request):
+        self.engine.resume_memory_occupation(obj.tags)
+
+    async def update_weights_from_tensor(self, obj, request):
+        return self.engine.update_weights_from_tensor(obj.serialized_named_tensors, obj.load_format, obj.flush_cache)
+
+    async def flush_cache(self):
+        self.engine.flush_cache()
+
+
+class FakeAsyncSGLangEngine(FakeSGLangEngine):
+    def __init__(self, **server_args):
+        super().__init__(**server_args)
+        self.tokenizer_manager = _FakeTokenizerManager(self)
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob):
+        return self.generate(input_ids, sampling_params, return_logprob)
