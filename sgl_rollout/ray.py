@@ -73,7 +73,13 @@ class RolloutServer:
 
     Args:
         config: rollout settings, or a dict of them.
+
+    Attributes:
+        engine_factory: passed to :class:`~sgl_rollout.engine.RolloutEngine` (None: ``sglang.Engine``);
+            a subclass may set an engine double.
     """
+
+    engine_factory = None
 
     def __init__(self, config):
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig(**config)
@@ -82,9 +88,11 @@ class RolloutServer:
 
     async def start(self) -> List[str]:
         """Start the engine in this actor (blocks the actor for the engine's start-up); returns its tags."""
+        from .engine import RolloutEngine
         from .worker import RolloutWorker
 
-        self.worker = RolloutWorker(self.config)
+        engine = RolloutEngine(self.config, engine_factory=self.engine_factory)
+        self.worker = RolloutWorker(self.config, engine=engine)
         return list(self.worker.engine.tags)
 
     @property

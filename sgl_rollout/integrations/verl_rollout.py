@@ -166,7 +166,13 @@ class VerlRolloutServer(RolloutServer):
 
 
 class SglRolloutReplica(RolloutReplica):
-    """verl ``RolloutReplica`` whose server is a :class:`VerlRolloutServer` actor (one node)."""
+    """verl ``RolloutReplica`` whose server is a :class:`VerlRolloutServer` actor (one node).
+
+    Attributes:
+        server_class: the actor body; a subclass may swap it (tests use an engine double).
+    """
+
+    server_class = VerlRolloutServer
 
     async def launch_servers(self):
         """Start the engine actor on the node of this replica's workers, on the GPUs they use.
@@ -186,7 +192,7 @@ class SglRolloutReplica(RolloutReplica):
         cfg = rollout_config_from_verl(self.config, _model_path(self.model_config))
         server = launch_rollout_server(cfg, devices, node_id=infos[0][0], name=server_name(self.replica_rank),
                                        max_concurrency=self.max_concurrency,
-                                       actor_cls=_bind_server(VerlRolloutServer, self.config))
+                                       actor_cls=_bind_server(self.server_class, self.config))
         await server.start.remote()
         ip, port = await server.get_server_address.remote()
         self.servers = [server]
