@@ -120,6 +120,16 @@ def _groups(named, limit):
 
 
 def bench_sync(args) -> Dict:
+    """Start one engine and time every sync method into it (see the module docstring).
+
+    Args:
+        args: ``repeats`` (int), ``mem_fraction`` (float), ``workdir`` (str, where the model config goes).
+
+    Returns:
+        dict with ``bytes`` (tensor data per sync), ``results`` (per method: ``median_s``, ``gb_per_s``,
+        ``times_s``) and ``sender_peak_extra_bytes`` (torch peak allocation above the baseline during a
+        flattened sync, per bucket size).
+    """
     from .config import RolloutConfig
     from .engine import RolloutEngine
     from .weight_sync import send_flattened_buckets
@@ -193,6 +203,7 @@ def _version(pkg):
 
 
 def print_table(res: Dict) -> None:
+    """Print :func:`bench_sync`'s result as a table (ms, GB/s, sender peak MiB)."""
     print(f"\nweight sync into SGLang {res['sglang']} on {res['device']}: {res['n_tensors']} tensors, "
           f"{res['bytes'] / 1e9:.2f} GB, median of {res['repeats']}")
     print(f"{'method':<18}{'median ms':>12}{'GB/s':>10}")
@@ -203,6 +214,7 @@ def print_table(res: Dict) -> None:
 
 
 def main(argv=None) -> int:
+    """``python -m sgl_rollout.bench sync [...]``; exit status 2 without a CUDA GPU."""
     p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("sync", help="time the weight sync methods into one engine")

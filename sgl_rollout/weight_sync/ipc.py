@@ -48,7 +48,8 @@ def _with_uuid(args: tuple) -> tuple:
 class _UuidPickler(ForkingPickler):
     """ForkingPickler whose CUDA tensors carry the device UUID instead of the local index."""
 
-    def reducer_override(self, obj: Any):  # noqa: D401 - pickle hook
+    def reducer_override(self, obj: Any):
+        """Reduce CUDA tensors with the device UUID; everything else the usual way."""
         if isinstance(obj, torch.Tensor) and obj.is_cuda:
             fn, args = reductions.reduce_tensor(obj)
             return fn, _with_uuid(args)
