@@ -8,6 +8,7 @@ Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 20
 * ``flat_512m``: flattened buckets of 512 MiB, as slime sends them;
 * ``flat_2g``: flattened buckets of 2 GiB;
 * ``default``: this package's default (``RolloutConfig().update_weights_bucket_megabytes``);
+* ``flatten_only_2g``: the sender's share of ``flat_2g``: building the 2 GiB buckets, no engine call;
 * ``d2d_copy``: one device-to-device copy of the same bytes, the physical limit.
 
 It prints a table of median seconds and GB/s (1e9 bytes of tensor data per second) and writes JSON.
@@ -132,7 +133,7 @@ def bench_sync(args) -> Dict:
     """
     from .config import RolloutConfig
     from .engine import RolloutEngine
-    from .weight_sync import send_flattened_buckets
+    from .weight_sync import flatten_bucket, send_flattened_buckets
 
     model_dir = os.path.join(args.workdir, "llama-1.1b")
     make_llama_dir(model_dir, LLAMA_1B)
@@ -155,6 +156,10 @@ def bench_sync(args) -> Dict:
         def flat(mb):
             return lambda: send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
 
+        def flatten_only():
+            for bucket in _groups(named, 2 << 30):
+                flatten_bucket(bucket, device="cuda")
+
         flat_all = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(flat_all)
         methods = {
@@ -162,6 +167,7 @@ def bench_sync(args) -> Dict:
             "flat_512m": flat(512),
             "flat_2g": flat(2048),
             f"default_{default_mb}m": flat(default_mb),
+            "flatten_only_2g": flatten_only,
             "d2d_copy": lambda: dst.copy_(flat_all),
         }
         results = {}
