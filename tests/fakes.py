@@ -26,6 +26,7 @@ class FakeSGLangEngine:
     def generate(self, input_ids, sampling_params, return_logprob):
         self._alive()
         self.calls.append(("generate", len(input_ids)))
+        self.last_sampling_params = dict(sampling_params)
         if self.released:
             self.dead = True
             raise EngineDied("generate on released memory")

@@ -20,6 +20,9 @@ class FakeServer(VerlRolloutServer):
     async def fake_calls(self):
         return list(self._engine._engine.calls)
 
+    async def last_sampling_params(self):
+        return self._engine._engine.last_sampling_params
+
 
 class TrainerWorker:
     def ping(self):
@@ -77,9 +80,12 @@ def test_verl_sequence(cluster, monkeypatch):
     assert out.extra_fields["global_steps"] == 5
     out = ray.get(server.generate.remote([1, 2], {"max_tokens": 2}, request_id="r1"))
     assert out.token_ids == [3, 4] and out.log_probs is None
+    out = ray.get(server.generate.remote([1], {"max_new_tokens": 3, "max_tokens": 9}, request_id="r2"))
+    assert out.token_ids == [2, 3, 4]
+    assert ray.get(server.last_sampling_params.remote()) == {"max_new_tokens": 3}  # vLLM's key never reaches SGLang
 
     kinds = [c[0] for c in ray.get(server.fake_calls.remote())]
-    assert kinds == ["release", "resume", "update_weights", "resume", "generate", "generate"]
+    assert kinds == ["release", "resume", "update_weights", "resume", "generate", "generate", "generate"]
     calls = ray.get(server.fake_calls.remote())
     assert calls[0] == ("release", ("weights", "kv_cache"))
     assert calls[1] == ("resume", ("weights",)) and calls[3] == ("resume", ("kv_cache",))

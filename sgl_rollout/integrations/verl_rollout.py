@@ -33,6 +33,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from ..config import RolloutConfig
+from ..engine import _req
 from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, aggressive_empty_cache
 from ..ray import RolloutServer, launch_rollout_server, merge_visible_devices
 from ..weight_sync import BucketStream
@@ -115,7 +116,8 @@ class VerlRolloutServer(RolloutServer):
             raise NotImplementedError("sgl-rollout does not take image or video inputs yet")
         params = dict(sampling_params)
         return_logprob = bool(params.pop("logprobs", False))
-        max_new = params.pop("max_new_tokens", None) or params.pop("max_tokens", None) or self.response_length
+        max_new_tokens, max_tokens = params.pop("max_new_tokens", None), params.pop("max_tokens", None)
+        max_new = max_new_tokens or max_tokens or self.response_length
         if self.max_model_len:
             room = self.max_model_len - len(prompt_ids) - 1
             if room < 0:
@@ -129,15 +131,11 @@ class VerlRolloutServer(RolloutServer):
 
     async def abort_all_requests(self, reject_request: bool = False) -> None:
         """Abort running requests (SGLang ``pause_generation(mode="abort")``)."""
-        from sglang.srt.managers.io_struct import PauseGenerationReqInput
-
-        await self._engine._engine.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode="abort"))
+        await self._engine._engine.tokenizer_manager.pause_generation(_req("PauseGenerationReqInput", mode="abort"))
 
     async def resume_generation(self) -> None:
         """Let requests run again after :meth:`abort_all_requests`."""
-        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
-
-        await self._engine._engine.tokenizer_manager.continue_generation(ContinueGenerationReqInput())
+        await self._engine._engine.tokenizer_manager.continue_generation(_req("ContinueGenerationReqInput"))
 
     async def clear_kv_cache(self) -> None:
         """Drop the prefix cache."""

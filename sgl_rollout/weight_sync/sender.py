@@ -47,6 +47,15 @@ class SyncStats:
     seconds: float = 0.0
     max_bucket_bytes: int = 0
 
+    def add(self, flat) -> int:
+        """Count one sent :class:`~.bucket.FlatBucket`; returns its tensor bytes (no padding)."""
+        nbytes = sum(m.end_idx - m.start_idx for m in flat.metadata)
+        self.n_buckets += 1
+        self.n_tensors += len(flat.metadata)
+        self.bytes += nbytes
+        self.max_bucket_bytes = max(self.max_bucket_bytes, flat.nbytes)
+        return nbytes
+
     @property
     def gb_per_s(self) -> float:
         """Throughput in GB/s (1e9 bytes), 0 when nothing was timed."""
@@ -88,13 +97,9 @@ def send_flattened_buckets(
     t0 = time.perf_counter()
     for i, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
         data, flat = make_payload(bucket, device=device)
-        stats.max_bucket_bytes = max(stats.max_bucket_bytes, flat.nbytes)
         result = engine.update_weights_from_tensor([data] * tp_size, load_format="flattened_bucket", flush_cache=False)
         _raise_on_failure(result)
-        stats.n_tensors += len(bucket)
-        stats.n_buckets += 1
-        nbytes = sum(m.end_idx - m.start_idx for m in flat.metadata)
-        stats.bytes += nbytes
+        nbytes = stats.add(flat)
         del flat, data, bucket
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
@@ -157,10 +162,7 @@ class BucketStream:
         if bucket is None:
             return None
         data, self._held = make_payload(bucket, device=self._device)
-        self.stats.n_buckets += 1
-        self.stats.n_tensors += len(bucket)
-        self.stats.bytes += sum(m.end_idx - m.start_idx for m in self._held.metadata)
-        self.stats.max_bucket_bytes = max(self.stats.max_bucket_bytes, self._held.nbytes)
+        self.stats.add(self._held)
         return data
 
     def release(self) -> None:
