@@ -133,7 +133,7 @@ def bench_sync(args) -> Dict:
     """
     from .config import RolloutConfig
     from .engine import RolloutEngine
-    from .weight_sync import flatten_bucket, send_flattened_buckets
+    from .weight_sync import flatten_bucket, send_flattened_buckets, serialize
 
     model_dir = os.path.join(args.workdir, "llama-1.1b")
     make_llama_dir(model_dir, LLAMA_1B)
@@ -144,17 +144,19 @@ def bench_sync(args) -> Dict:
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     engine = RolloutEngine(cfg)
     try:
-        raw = engine._engine
-
         def per_tensor():
-            for group in _groups(named, 2 << 30):
-                ok, msg = raw.update_weights_from_tensor(group, load_format=None, flush_cache=False)
-                assert ok, msg
-            raw.flush_cache()
+            with engine.weight_sync():
+                for group in _groups(named, 2 << 30):
+                    ok, msg = engine.update_weights_from_tensor([serialize(group)], load_format=None)
+                    assert ok, msg
+            engine.flush_cache()
             torch.cuda.ipc_collect()
 
         def flat(mb):
-            return lambda: send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
+            def run():
+                with engine.weight_sync():
+                    send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
+            return run
 
         def flatten_only():
             for bucket in _groups(named, 2 << 30):
@@ -182,7 +184,7 @@ def bench_sync(args) -> Dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
+            flat(mb)()
             peak[f"flat_{mb}m"] = torch.cuda.max_memory_allocated() - base
     finally:
         engine.shutdown()

@@ -27,6 +27,8 @@ MANAGED_SERVER_ARGS: Dict[str, str] = {
     "max_running_requests": "max_num_seqs",
     "load_format": "load_format",
     "disable_piecewise_cuda_graph": "(always on: piecewise CUDA graphs are never released)",
+    "enforce_piecewise_cuda_graph": "(refused: piecewise CUDA graphs are never released, so sleep would free too little)",
+    "custom_sigquit_handler": "(set by sgl-rollout: its handler keeps the trainer alive when the engine dies)",
 }
 
 
@@ -81,6 +83,9 @@ class RolloutConfig(BaseModel):
         max_num_seqs: most requests running at once (SGLang ``max_running_requests``); None lets
             SGLang choose.
         load_format: SGLang load format; ``"dummy"`` gives random weights without reading files.
+        validate_sync: check every weight sync against the model's weight manifest (Hugging Face
+            names, shapes, dtypes read from ``model_path``; :mod:`sgl_rollout.weight_sync.manifest`)
+            before any byte reaches the engine.
         engine_kwargs: any other ``ServerArgs`` field, passed to ``sglang.Engine`` as is.
 
     Raises:
@@ -103,6 +108,7 @@ class RolloutConfig(BaseModel):
     enforce_eager: bool = False
     max_num_seqs: Optional[int] = Field(None, ge=1)
     load_format: str = "auto"
+    validate_sync: bool = True
     engine_kwargs: Dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("dtype")
@@ -139,8 +145,14 @@ class RolloutConfig(BaseModel):
 
         The memory saver is always on and piecewise CUDA graphs always off: without the first,
         release/resume silently free nothing; the second are never released (SGLang 0.5.10).
+        ``engine_kwargs`` is checked again here, so a dict mutated after validation cannot undo them.
+
+        Raises:
+            ValueError: ``engine_kwargs`` now holds a key this config owns or SGLang does not know.
         """
-        kwargs: Dict[str, Any] = dict(
+        self._check_engine_kwargs(dict(self.engine_kwargs))
+        kwargs: Dict[str, Any] = dict(self.engine_kwargs)
+        kwargs.update(
             model_path=self.model_path,
             dtype=self.dtype,
             tp_size=self.tensor_model_parallel_size,
@@ -153,5 +165,4 @@ class RolloutConfig(BaseModel):
         )
         if self.max_num_seqs is not None:
             kwargs["max_running_requests"] = self.max_num_seqs
-        kwargs.update(self.engine_kwargs)
         return kwargs

@@ -11,6 +11,11 @@ What SGLang 0.5.10 needs for tagged release to work (each learnt from its source
   torch-memory-saver raises on it. It is removed only while the engine's processes are spawned,
   so a trainer in the host process keeps its own setting.
 
+Containment: any exception in SGLang's scheduler, or its death, makes SGLang SIGQUIT the host process and
+kill it (the trainer). :class:`RolloutEngine` installs its own SIGQUIT handler (through SGLang's
+``custom_sigquit_handler`` launch argument and again after start-up), watches the engine's processes,
+and turns a death into :class:`EngineDeadError` with :meth:`RolloutEngine.restart` to recover.
+
 Shutdown: ``sglang.Engine.shutdown()`` kills *every* child process of the host
 (``kill_process_tree(os.getpid(), include_parent=False)``), and SGLang registers it with atexit.
 :class:`RolloutEngine` records which children the engine started and ends only those.
@@ -18,10 +23,17 @@ Shutdown: ``sglang.Engine.shutdown()`` kills *every* child process of the host
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import logging
 import os
+import signal
+import threading
+import time
+import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -118,6 +130,13 @@ def _kill_trees(pids: Sequence[int], timeout_s: float = 10.0) -> None:
             procs.append(root)
         except psutil.NoSuchProcess:
             continue
+    _kill_procs(procs, timeout_s)
+
+
+def _kill_procs(procs: list, timeout_s: float = 10.0) -> None:
+    """SIGTERM ``procs`` (psutil.Process), then SIGKILL those still alive after ``timeout_s``."""
+    import psutil
+
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
@@ -128,20 +147,90 @@ def _kill_trees(pids: Sequence[int], timeout_s: float = 10.0) -> None:
     psutil.wait_procs(alive, timeout=timeout_s)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's scheduler (or another of its processes) died; every call raises this until :meth:`RolloutEngine.restart`."""
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down; every call raises this at once."""
+
+
 def engine_tags(config: RolloutConfig) -> tuple:
     """The tags an engine built from ``config`` has: ``cuda_graph`` only when CUDA graphs are on."""
     return tuple(t for t in ALL_TAGS if t != CUDA_GRAPH or not config.enforce_eager)
 
 
+# --------------------------------------------------------------------------- engine death
+_LIVE_ENGINES: "weakref.WeakSet[RolloutEngine]" = weakref.WeakSet()
+
+
+def _on_sigquit(signum=None, frame=None) -> None:
+    """SIGQUIT handler that replaces SGLang's: note the signal, kill nothing.
+
+    SGLang's scheduler, detokenizer and ``SubprocessWatchdog`` send SIGQUIT to the host process
+    when one of its processes fails (``run_scheduler_process``, ``sglang/srt/managers/scheduler.py``;
+    ``sglang/srt/utils/watchdog.py``), and SGLang's own handlers answer with
+    ``kill_process_tree(os.getpid())``: the trainer dies with the engine. Here each live engine's
+    watchdog thread is told to look at its processes now; the one whose process died marks itself
+    dead. Only a plain attribute is written (a signal handler must not take locks).
+    """
+    now = time.monotonic()
+    for eng in list(_LIVE_ENGINES):
+        eng._sigquit_at = now
+
+
+def install_sigquit_handler() -> bool:
+    """Install :func:`_on_sigquit` for SIGQUIT in this process (main thread only).
+
+    Returns:
+        True when installed; False when called outside the main thread (CPython allows signal
+        handlers only there), in which case a scheduler death would still end this process.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    signal.signal(signal.SIGQUIT, _on_sigquit)
+    return True
+
+
+def _dead_pids(pids: Sequence[int]) -> List[int]:
+    import psutil
+
+    dead = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                dead.append(pid)
+        except psutil.NoSuchProcess:
+            dead.append(pid)
+    return dead
+
+
 class RolloutEngine:
-    """SGLang engine for rollouts: generation, guarded release/resume, weight loading, clean shutdown.
+    """SGLang engine for rollouts: generation, guarded release/resume and weight sync, contained death.
+
+    Every call to SGLang runs as a coroutine of its tokenizer manager on one event loop in a thread of
+    this object (``sgl-rollout-engine``); the synchronous methods wait for it, the ``async_`` ones
+    await it from any other loop (a Ray async actor's, say). So:
+
+    * a release, resume or weight sync changes :attr:`state` when SGLang *answers*, even if its caller
+      was interrupted (KeyboardInterrupt, ``asyncio.wait_for`` timeout, ``ray.cancel``); the next call
+      waits for the answer instead of acting on a stale state;
+    * a generate whose caller is interrupted or cancelled is aborted in SGLang by request id and stays
+      counted until SGLang has ended it, so a release cannot trip the scheduler's idle assertion;
+    * one lock (:class:`~sgl_rollout.memory.MemoryState`) covers check-and-act for release, resume,
+      sync and the admission of generates;
+    * a dead scheduler (an exception in it, ``kill -9``, an OOM kill) does not take the host process
+      down: SGLang's SIGQUIT handler is replaced by :func:`_on_sigquit`, a watchdog thread watches the
+      engine's processes, and every call (also those in flight) raises :class:`EngineDeadError`
+      until :meth:`restart`.
 
     Args:
         config: the rollout settings.
         engine_factory: ``(**server_args) -> engine``; defaults to ``sglang.Engine``. Tests pass a
-            double that records calls.
+            double with the same ``tokenizer_manager`` coroutines and ``async_generate``.
         disable_tp_imbalance_check: switch SGLang's TP memory-imbalance start-up check off (default),
             so that colocated workers that loaded in any order do not stop the engine from starting.
+        watch_interval_s: seconds between two looks of the watchdog at the engine's processes.
 
     Raises:
         ImportError: SGLang is not installed.
@@ -153,31 +242,291 @@ class RolloutEngine:
         config: RolloutConfig,
         engine_factory: Optional[Callable[..., Any]] = None,
         disable_tp_imbalance_check: bool = True,
+        watch_interval_s: float = 0.2,
     ):
         self.config = config
-        self.state = MemoryState(engine_tags(config))
-        self._child_pids: List[int] = []
+        self._factory = engine_factory
+        self._disable_tp_imbalance_check = disable_tp_imbalance_check
+        self._watch_interval_s = watch_interval_s
         self._closed = False
-        if engine_factory is None:
-            from sglang.srt.entrypoints.engine import Engine as engine_factory  # noqa: N813
+        self._dead: Optional[str] = None
+        self._sigquit_at: Optional[float] = None
+        self._pending: set = set()
+        self._pending_lock = threading.Lock()
+        self._last_op: Optional[concurrent.futures.Future] = None
+        self._sync_lock = threading.Lock()
+        self._bucket_loading = False
+        self._sync_abandoned = False
+        atexit.register(self.shutdown)
+        self._start()
 
+    # ----------------------------------------------------------------- life cycle
+    def _start(self) -> None:
+        factory = self._factory
+        if factory is None:
+            from sglang.srt.entrypoints.engine import Engine as factory  # noqa: N813
+
+        self.state = MemoryState(engine_tags(self.config))
+        self._last_op = None
+        self._bucket_loading = self._sync_abandoned = False
+        self._dead = None
+        self._sigquit_at = None
+        self._child_pids: List[int] = []
         before = _child_pids()
-        with patched_environ(engine_env_updates(disable_tp_imbalance_check=disable_tp_imbalance_check)):
-            self._engine = engine_factory(**config.to_server_args())
+        server_args = self.config.to_server_args()
+        if threading.current_thread() is threading.main_thread():
+            # SGLang installs this in place of its own launch-phase handler, which kills the host.
+            server_args["custom_sigquit_handler"] = _on_sigquit
+        try:
+            with patched_environ(engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check)):
+                self._engine = factory(**server_args)
+        except BaseException:
+            _kill_trees(sorted(_child_pids() - before))
+            raise
         self._child_pids = sorted(_child_pids() - before)
+        self._descendants: dict = {}
+        self._track_descendants()
         # SGLang registers Engine.shutdown with atexit; it would kill every child of the host.
         shutdown = getattr(self._engine, "shutdown", None)
         if shutdown is not None:
             atexit.unregister(shutdown)
-        atexit.register(self.shutdown)
-        logger.info("SGLang engine up: tp=%d, child processes %s", config.tensor_model_parallel_size, self._child_pids)
+        if not install_sigquit_handler():
+            logger.warning("engine started outside the main thread: SIGQUIT from a dying scheduler is not caught here; "
+                           "call sgl_rollout.engine.install_sigquit_handler() from the main thread")
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sgl-rollout-engine", daemon=True)
+        self._loop_thread.start()
+        self._stop_watch = threading.Event()
+        self._watch_thread = threading.Thread(target=self._watch, name="sgl-rollout-watchdog", daemon=True)
+        self._watch_thread.start()
+        _LIVE_ENGINES.add(self)
+        logger.info("SGLang engine up: tp=%d, child processes %s", self.config.tensor_model_parallel_size, self._child_pids)
+
+    def _track_descendants(self) -> None:
+        """Remember the engine processes' own children (compile workers, ...): once a scheduler is
+        killed they are re-parented away from it, and only this record lets shutdown end them."""
+        import psutil
+
+        for pid in self._child_pids:
+            with contextlib.suppress(psutil.Error):
+                for p in psutil.Process(pid).children(recursive=True):
+                    self._descendants.setdefault(p.pid, p)  # psutil.Process: safe against pid reuse
+
+    def _watch(self) -> None:
+        ticks = 0
+        while not self._stop_watch.wait(self._watch_interval_s):
+            if ticks % 10 == 0:
+                self._track_descendants()
+            ticks += 1
+            dead = _dead_pids(self._child_pids)
+            if dead:
+                self._mark_dead(f"engine process(es) {dead} exited")
+                return
+            quit_at = self._sigquit_at
+            if quit_at is not None and time.monotonic() - quit_at > 10.0:
+                logger.warning("SIGQUIT received but this engine's processes are alive; ignored")
+                self._sigquit_at = None
+
+    def _mark_dead(self, reason: str) -> None:
+        """Record the engine's death, fail every call in flight, end what is left of its processes."""
+        if self._closed or self._dead is not None:
+            return
+        self._dead = reason
+        logger.error("SGLang engine died: %s; calls raise EngineDeadError until restart()", reason)
+        self._fail_pending(EngineDeadError(f"the SGLang engine died ({reason}); call restart()"))
+        self._stop_machinery()
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        with self._pending_lock:
+            pending, self._pending = list(self._pending), set()
+        for fut in pending:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                fut.set_exception(exc)
+
+    def _stop_machinery(self) -> None:
+        _LIVE_ENGINES.discard(self)
+        self._stop_watch.set()
+        tm = getattr(self._engine, "tokenizer_manager", None)
+        watchdog = getattr(tm, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        def stop_loop() -> None:  # calls that will never be answered are dropped quietly
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+            self._loop.call_soon(self._loop.stop)
+
+        self._loop.call_soon_threadsafe(stop_loop)
+        _kill_trees(self._child_pids)
+        _kill_procs([p for p in self._descendants.values() if p.is_running()])
+
+    def check_alive(self) -> None:
+        """Raise at once if the engine cannot take calls.
+
+        Raises:
+            EngineClosedError: after :meth:`shutdown`.
+            EngineDeadError: after the engine died, until :meth:`restart`.
+        """
+        if self._closed:
+            raise EngineClosedError("the engine was shut down")
+        if self._dead is not None:
+            raise EngineDeadError(f"the SGLang engine died ({self._dead}); call restart()")
 
     @property
     def tags(self) -> tuple:
         """Tags of this engine's memory regions."""
         return self.state.tags
 
+    @property
+    def alive(self) -> bool:
+        """True while the engine is neither shut down nor dead."""
+        return not self._closed and self._dead is None
+
+    def restart(self) -> None:
+        """Start a fresh engine with the same config after a death (or to recover from anything).
+
+        What is left of the old engine's processes is killed first. The new engine loads weights as
+        ``config.load_format`` says (random for ``"dummy"``): sync the trainer's weights before
+        generating. All tags are resident afterwards.
+
+        Raises:
+            EngineClosedError: the engine was shut down.
+            RuntimeError: SGLang fails to start.
+        """
+        if self._closed:
+            raise EngineClosedError("the engine was shut down; make a new RolloutEngine")
+        if self._dead is None:
+            self._dead = "restarting"
+            self._fail_pending(EngineDeadError("the engine is restarting"))
+            self._stop_machinery()
+        t0 = time.perf_counter()
+        self._start()
+        logger.info("SGLang engine restarted in %.1f s", time.perf_counter() - t0)
+
+    # ----------------------------------------------------------------- calls into SGLang
+    def _submit(self, make_coro: Callable[[], Any], on_done: Optional[Callable[[Optional[BaseException]], None]] = None
+                ) -> concurrent.futures.Future:
+        """Run ``make_coro()`` on the engine's loop; the returned future fails with EngineDeadError on death.
+
+        ``on_done(exc)`` runs when SGLang has answered (``exc`` None on success), before the returned
+        future resolves, whatever became of the caller.
+        """
+        self.check_alive()
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        with self._pending_lock:
+            self._pending.add(outer)
+
+        async def run():
+            return await make_coro()
+
+        inner = asyncio.run_coroutine_threadsafe(run(), self._loop)
+
+        def finish(f: concurrent.futures.Future) -> None:
+            exc = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
+            if on_done is not None:
+                on_done(exc)
+            with self._pending_lock:
+                self._pending.discard(outer)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                if exc is None:
+                    outer.set_result(f.result())
+                else:
+                    outer.set_exception(exc)
+
+        inner.add_done_callback(finish)
+        return outer
+
+    @staticmethod
+    def _wait(fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None):
+        try:
+            return fut.result()
+        except BaseException:
+            if not fut.done() and on_interrupt is not None:
+                on_interrupt()
+            raise
+
+    @staticmethod
+    async def _await(fut: concurrent.futures.Future, on_cancel: Optional[Callable[[], None]] = None):
+        try:  # shielded: a cancelled caller must not cancel the record of SGLang's answer
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except BaseException:
+            if not fut.done() and on_cancel is not None:
+                on_cancel()
+            raise
+
+    def settle(self) -> None:
+        """Wait until the last release/resume/sync bucket has been answered by SGLang (it may have been
+        sent by a caller that was interrupted), so that :attr:`state` is what the engine holds.
+
+        Raises:
+            EngineClosedError, EngineDeadError: as :meth:`check_alive`.
+        """
+        last = self._last_op
+        if last is not None and not last.done():
+            with contextlib.suppress(Exception):
+                last.result()
+        self.check_alive()
+
+    async def async_settle(self) -> None:
+        """:meth:`settle` from inside an event loop."""
+        last = self._last_op
+        if last is not None and not last.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(asyncio.wrap_future(last))
+        self.check_alive()
+
+    def _tm(self):
+        return self._engine.tokenizer_manager
+
+    def _op_done(self, op: str, tags: Optional[List[str]] = None, released: Optional[bool] = None):
+        def on_done(exc: Optional[BaseException]) -> None:
+            if exc is None:
+                self.state.commit(tags or [], released=bool(released))
+            else:  # the outcome is unknown: never guess; the engine is unusable until restart()
+                self._mark_dead(f"{op} {tags} failed in SGLang: {exc!r}")
+        return on_done
+
+    def _start_op(self, op: str, tags: List[str], released: bool) -> concurrent.futures.Future:
+        cls = "ReleaseMemoryOccupationReqInput" if released else "ResumeMemoryOccupationReqInput"
+        try:
+            call = getattr(self._tm(), "release_memory_occupation" if released else "resume_memory_occupation")
+            req = _req(cls, tags=tags)
+            fut = self._submit(lambda: call(req, None), self._op_done(op, tags, released))
+        except BaseException:
+            self.state.cancel()
+            raise
+        self._last_op = fut
+        return fut
+
     # ----------------------------------------------------------------- generation
+    def _start_generate(self, input_ids, sampling_params, n, return_logprob):
+        batch = _expand(input_ids, n)
+        self.check_alive()
+        rids = [uuid.uuid4().hex for _ in batch]
+        self.state.admit_request()
+        try:
+            fut = self._submit(
+                lambda: self._engine.async_generate(input_ids=batch, sampling_params=dict(sampling_params or {}),
+                                                    return_logprob=return_logprob, rid=rids),
+                lambda _exc: self.state.request_done(),
+            )
+        except BaseException:
+            self.state.request_done()
+            raise
+        return fut, rids
+
+    def _abort(self, rids: List[str]) -> None:
+        """Abort ``rids`` in SGLang (from the engine's loop); they stay counted until SGLang ends them."""
+        if not self.alive:
+            return
+        tm = self._tm()
+
+        def abort():
+            for rid in rids:
+                tm.abort_request(rid=rid)
+
+        self._loop.call_soon_threadsafe(abort)
+        logger.warning("generate interrupted: aborting %d request(s) in SGLang", len(rids))
+
     def generate(
         self,
         input_ids: List[List[int]],
@@ -197,15 +546,14 @@ class RolloutEngine:
             B lists of ``n`` :class:`Generation` each, in prompt order.
 
         Raises:
-            MemoryStateError: a memory region is released (call wake up first).
+            MemoryStateError: a memory region is released, a release/resume/sync is in progress, or the
+                last weight sync did not complete.
+            EngineDeadError: the engine died (before or during the call); EngineClosedError: shut down.
             ValueError: ``n`` < 1 or an empty batch.
+            KeyboardInterrupt: re-raised after the batch's requests were aborted in SGLang.
         """
-        batch = _expand(input_ids, n)
-        with self.state.request():
-            outs = self._engine.generate(
-                input_ids=batch, sampling_params=dict(sampling_params or {}), return_logprob=return_logprob
-            )
-        return _group(outs, n, return_logprob)
+        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob)
+        return _group(self._wait(fut, lambda: self._abort(rids)), n, return_logprob)
 
     async def async_generate(
         self,
@@ -216,42 +564,20 @@ class RolloutEngine:
     ) -> List[List[Generation]]:
         """:meth:`generate` for code that runs inside an event loop (a Ray async actor, say).
 
-        Concurrent calls are batched by SGLang's scheduler. Same arguments, return value and errors
-        as :meth:`generate`.
+        Concurrent calls are batched by SGLang's scheduler. A cancelled call aborts its requests in
+        SGLang. Same arguments, return value and errors as :meth:`generate`.
         """
-        batch = _expand(input_ids, n)
-        with self.state.request():
-            outs = await self._engine.async_generate(
-                input_ids=batch, sampling_params=dict(sampling_params or {}), return_logprob=return_logprob
-            )
-        return _group(outs, n, return_logprob)
+        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob)
+        return _group(await self._await(fut, lambda: self._abort(rids)), n, return_logprob)
 
-    async def async_release(self, tags: Optional[Sequence[str]] = None) -> List[str]:
-        """:meth:`release` from inside an event loop (SGLang's tokenizer-manager coroutine)."""
-        tags = self.state.begin_release(tags)
-        await self._engine.tokenizer_manager.release_memory_occupation(_req("ReleaseMemoryOccupationReqInput", tags=tags), None)
-        self.state.commit(tags, released=True)
-        return tags
+    def abort_all(self) -> None:
+        """Abort every request running in SGLang (``abort_request(abort_all=True)``); they end shortly after.
 
-    async def async_resume(self, tags: Optional[Sequence[str]] = None) -> List[str]:
-        """:meth:`resume` from inside an event loop."""
-        tags = self.state.begin_resume(tags)
-        await self._engine.tokenizer_manager.resume_memory_occupation(_req("ResumeMemoryOccupationReqInput", tags=tags), None)
-        self.state.commit(tags, released=False)
-        return tags
-
-    async def async_update_weights_from_tensor(self, payloads: list, load_format: Optional[str] = None, flush_cache: bool = False):
-        """:meth:`update_weights_from_tensor` from inside an event loop; returns ``(success, message)``."""
-        if self.state.is_released(WEIGHTS):
-            raise MemoryStateError("weights are released: resume 'weights' before loading new weights")
-        req = _req("UpdateWeightsFromTensorReqInput", serialized_named_tensors=payloads, load_format=load_format,
-                   flush_cache=flush_cache)
-        return await self._engine.tokenizer_manager.update_weights_from_tensor(req, None)
-
-    async def async_flush_cache(self) -> None:
-        """:meth:`flush_cache` from inside an event loop."""
-        if not self.state.is_released(KV_CACHE):
-            await self._engine.tokenizer_manager.flush_cache()
+        Raises:
+            EngineDeadError, EngineClosedError: as every call.
+        """
+        self.check_alive()
+        self._loop.call_soon_threadsafe(lambda: self._tm().abort_request(abort_all=True))
 
     # ----------------------------------------------------------------- memory
     def release(self, tags: Optional[Sequence[str]] = None) -> List[str]:
@@ -261,12 +587,13 @@ class RolloutEngine:
             the tags released.
 
         Raises:
-            MemoryStateError: a tag is already released or unknown, or requests are running. Nothing
-                reaches the engine then, so it keeps serving.
+            MemoryStateError: a tag is already released or unknown, requests run, or another
+                operation is in progress. Nothing reaches the engine then, so it keeps serving.
+            EngineDeadError, EngineClosedError: as every call.
         """
+        self.settle()
         tags = self.state.begin_release(tags)
-        self._engine.release_memory_occupation(tags=tags)
-        self.state.commit(tags, released=True)
+        self._wait(self._start_op("release", tags, released=True))
         return tags
 
     def resume(self, tags: Optional[Sequence[str]] = None) -> List[str]:
@@ -276,16 +603,96 @@ class RolloutEngine:
             the tags resumed.
 
         Raises:
-            MemoryStateError: a tag is resident or unknown. Nothing reaches the engine then.
+            MemoryStateError: a tag is resident or unknown, or another operation is in progress.
+                Nothing reaches the engine then.
+            EngineDeadError, EngineClosedError: as every call.
         """
+        self.settle()
         tags = self.state.begin_resume(tags)
-        self._engine.resume_memory_occupation(tags=tags)
-        self.state.commit(tags, released=False)
+        self._wait(self._start_op("resume", tags, released=False))
+        return tags
+
+    async def async_release(self, tags: Optional[Sequence[str]] = None) -> List[str]:
+        """:meth:`release` from inside an event loop; a cancelled caller does not undo it."""
+        await self.async_settle()
+        tags = self.state.begin_release(tags)
+        await self._await(self._start_op("release", tags, released=True))
+        return tags
+
+    async def async_resume(self, tags: Optional[Sequence[str]] = None) -> List[str]:
+        """:meth:`resume` from inside an event loop; a cancelled caller does not undo it."""
+        await self.async_settle()
+        tags = self.state.begin_resume(tags)
+        await self._await(self._start_op("resume", tags, released=False))
         return tags
 
     # ----------------------------------------------------------------- weights
-    def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None, flush_cache: bool = True):
-        """SGLang's ``Engine.update_weights_from_tensor``, refused while the weights are released.
+    def begin_sync(self) -> None:
+        """Fence off generates for a weight sync (waits for the last release/resume to be answered).
+
+        Raises:
+            MemoryStateError: weights released, requests running, or another operation in progress.
+        """
+        self.settle()
+        self.state.begin_sync()
+
+    async def async_begin_sync(self) -> None:
+        """:meth:`begin_sync` from inside an event loop."""
+        await self.async_settle()
+        self.state.begin_sync()
+
+    @contextlib.contextmanager
+    def weight_sync(self) -> Iterator[None]:
+        """:meth:`begin_sync` on entry, :meth:`end_sync` on exit (complete unless the block raised)."""
+        self.begin_sync()
+        complete = False
+        try:
+            yield
+            complete = True
+        finally:
+            self.end_sync(complete)
+
+    def end_sync(self, complete: bool) -> None:
+        """End the fence of :meth:`begin_sync` once the last bucket was answered.
+
+        ``complete`` False (a failed or interrupted sync) leaves the engine refusing generates until a
+        complete sync, if any byte had reached it.
+        """
+        with self._sync_lock:
+            if self.state.busy != "sync":
+                return
+            if self._bucket_loading:  # an interrupted caller's bucket is still loading: end when it is answered
+                self._sync_abandoned = True
+            else:
+                self.state.end_sync(complete)
+
+    def _bucket_answered(self, _exc: Optional[BaseException]) -> None:
+        with self._sync_lock:
+            self._bucket_loading = False
+            if self._sync_abandoned:
+                self._sync_abandoned = False
+                self.state.end_sync(False)
+
+    def _start_update(self, payloads: list, load_format: Optional[str], flush_cache: bool):
+        if self.state.is_released(WEIGHTS):
+            raise MemoryStateError("weights are released: resume 'weights' before loading new weights")
+        if self.state.busy != "sync":
+            raise MemoryStateError("call begin_sync() before loading weights (no generate may see half-new weights)")
+        req = _req("UpdateWeightsFromTensorReqInput", serialized_named_tensors=payloads, load_format=load_format,
+                   flush_cache=flush_cache)
+        self.state.sync_sent()
+        with self._sync_lock:
+            self._bucket_loading = True
+        try:
+            fut = self._submit(lambda: self._tm().update_weights_from_tensor(req, None), self._bucket_answered)
+        except BaseException:
+            self._bucket_answered(None)
+            raise
+        self._last_op = fut
+        return fut
+
+    def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None, flush_cache: bool = False):
+        """SGLang's ``update_weights_from_tensor`` for one bucket, inside :meth:`begin_sync` / :meth:`end_sync`.
 
         Args:
             named_tensors: for ``load_format="flattened_bucket"``, one serialized payload (bytes) per TP
@@ -295,38 +702,49 @@ class RolloutEngine:
             SGLang's ``(success, message)``.
 
         Raises:
-            MemoryStateError: the ``weights`` tag is released (the copy would land in freed memory).
+            MemoryStateError: no sync was begun, or the ``weights`` tag is released.
+            EngineDeadError, EngineClosedError: as every call.
         """
-        if self.state.is_released(WEIGHTS):
-            raise MemoryStateError("weights are released: resume 'weights' before loading new weights")
-        return self._engine.update_weights_from_tensor(named_tensors, load_format=load_format, flush_cache=flush_cache)
+        return self._wait(self._start_update(named_tensors, load_format, flush_cache))
+
+    async def async_update_weights_from_tensor(self, payloads: list, load_format: Optional[str] = None,
+                                               flush_cache: bool = False):
+        """:meth:`update_weights_from_tensor` from inside an event loop; returns ``(success, message)``."""
+        return await self._await(self._start_update(payloads, load_format, flush_cache))
 
     def flush_cache(self) -> None:
         """Drop SGLang's prefix (radix) cache, stale after new weights.
 
         Skipped while the KV cache is released: SGLang flushed it when it released the KV cache.
         """
-        if self.state.is_released(KV_CACHE):
-            return  # nothing cached: the KV cache was flushed when it was released
-        self._engine.flush_cache()
+        if not self.state.is_released(KV_CACHE):
+            self._wait(self._submit(lambda: self._tm().flush_cache()))
+
+    async def async_flush_cache(self) -> None:
+        """:meth:`flush_cache` from inside an event loop."""
+        if not self.state.is_released(KV_CACHE):
+            await self._await(self._submit(lambda: self._tm().flush_cache()))
 
     def server_info(self) -> Dict[str, Any]:
-        """SGLang's ``Engine.get_server_info()``: server args plus scheduler info such as
-        ``max_total_num_tokens`` (KV-cache capacity in tokens)."""
-        return self._engine.get_server_info()
+        """SGLang's server args plus scheduler info such as ``max_total_num_tokens`` (KV-cache capacity
+        in tokens), as ``Engine.get_server_info()`` gives them."""
+        self.check_alive()
+        info = dict(getattr(self._engine, "_scheduler_init_result").scheduler_infos[0])
+        info.update({k: v for k, v in vars(self._engine.server_args).items() if not callable(v)})
+        return info
 
     # ----------------------------------------------------------------- shutdown
     def shutdown(self) -> None:
-        """Stop the engine's processes, and only those. Safe to call twice."""
+        """Stop the engine's processes, and only those. Safe to call twice; later calls raise
+        :class:`EngineClosedError`."""
         if self._closed:
             return
+        was_dead = self._dead is not None
         self._closed = True
         atexit.unregister(self.shutdown)
-        tm = getattr(self._engine, "tokenizer_manager", None)
-        watchdog = getattr(tm, "_subprocess_watchdog", None)
-        if watchdog is not None:
-            watchdog.stop()
-        _kill_trees(self._child_pids)
+        self._fail_pending(EngineClosedError("the engine was shut down"))
+        if not was_dead:
+            self._stop_machinery()
         logger.info("SGLang engine stopped (processes %s)", self._child_pids)
 
     def __enter__(self) -> "RolloutEngine":
@@ -372,11 +790,14 @@ def _to_generation(out: Dict[str, Any], with_logprob: bool) -> Generation:
 
 
 __all__ = [
+    "EngineClosedError",
+    "EngineDeadError",
     "Generation",
     "MemoryStateError",
     "RolloutEngine",
     "engine_env_updates",
     "engine_tags",
+    "install_sigquit_handler",
     "patched_environ",
     "strip_expandable_segments",
 ]

@@ -35,16 +35,25 @@ GiB = 1 << 30
 
 
 class MemoryStateError(RuntimeError):
-    """An invalid release/resume call, refused before it reached the engine."""
+    """An invalid release/resume/sync/generate call, refused before it reached the engine."""
 
 
 class MemoryState:
-    """Which tags are resident, and how many requests are running; refuses invalid transitions.
+    """Which tags are resident, what runs in the engine now, and which calls may start.
+
+    One lock covers every check-and-act: a release, resume or weight sync is admitted only when no
+    other one is in progress (:attr:`busy`), and a generate only while nothing is released, no
+    release/resume/sync is in progress and the last weight sync completed. The state changes when
+    the engine *answers* (:meth:`commit`, :meth:`end_sync`, :meth:`request_done`), not when the
+    caller returns: a caller interrupted after its request was sent (KeyboardInterrupt,
+    ``asyncio.wait_for`` timeout, ``ray.cancel``) leaves no lie behind, because
+    :class:`sgl_rollout.engine.RolloutEngine` calls these from the engine call's completion.
 
     Args:
         tags: the tags the engine has; ``cuda_graph`` is absent when CUDA graphs are off.
 
-    Thread-safe: generation threads call :meth:`request` while another thread may release.
+    Thread-safe: generation threads, a release in another thread and the engine's event-loop
+    thread may all call it.
     """
 
     def __init__(self, tags: Sequence[str] = ALL_TAGS):
@@ -53,6 +62,8 @@ class MemoryState:
             raise ValueError(f"unknown tags {sorted(unknown)}; SGLang's tags are {ALL_TAGS}")
         self._released: Dict[str, bool] = {t: False for t in tags}
         self._in_flight = 0
+        self._busy: Optional[str] = None
+        self._weights_incomplete = False
         self._lock = threading.Lock()
 
     @property
@@ -68,9 +79,21 @@ class MemoryState:
 
     @property
     def in_flight(self) -> int:
-        """Number of requests running now."""
+        """Number of requests running in the engine now (cancelled callers included until SGLang ends them)."""
         with self._lock:
             return self._in_flight
+
+    @property
+    def busy(self) -> Optional[str]:
+        """``"release"``, ``"resume"`` or ``"sync"`` while one is in progress in the engine, else None."""
+        with self._lock:
+            return self._busy
+
+    @property
+    def weights_incomplete(self) -> bool:
+        """True after a weight sync that sent bytes and did not complete: the engine's weights are mixed."""
+        with self._lock:
+            return self._weights_incomplete
 
     def is_released(self, tag: str) -> bool:
         """True when ``tag`` is released. Raises KeyError for a tag the engine does not have."""
@@ -88,14 +111,20 @@ class MemoryState:
             raise MemoryStateError(f"unknown tags {unknown}; this engine has {list(self._released)}")
         return tags
 
+    def _check_not_busy(self, what: str) -> None:
+        if self._busy is not None:
+            raise MemoryStateError(f"cannot {what}: a {self._busy} is in progress in the engine")
+
     def begin_release(self, tags: Optional[Iterable[str]] = None) -> List[str]:
-        """Check that ``tags`` (None: all) may be released now; return them as a list.
+        """Admit a release of ``tags`` (None: all) and mark a release in progress; return the tags.
 
         Raises:
-            MemoryStateError: a tag is already released, unknown or repeated, or requests are running.
+            MemoryStateError: a tag is already released, unknown or repeated, requests are running
+                (SGLang asserts ``is_fully_idle()``), or another release/resume/sync is in progress.
         """
         with self._lock:
             tags = self._normalise(tags)
+            self._check_not_busy(f"release {tags}")
             if self._in_flight:
                 raise MemoryStateError(
                     f"cannot release {tags} while {self._in_flight} request(s) run; SGLang asserts the "
@@ -106,34 +135,99 @@ class MemoryState:
                 raise MemoryStateError(
                     f"tags {already} are already released; releasing again would make torch-memory-saver exit(1)"
                 )
+            self._busy = "release"
             return tags
 
     def begin_resume(self, tags: Optional[Iterable[str]] = None) -> List[str]:
-        """Check that ``tags`` (None: all) may be resumed now; return them as a list.
+        """Admit a resume of ``tags`` (None: all) and mark a resume in progress; return the tags.
 
         Raises:
-            MemoryStateError: a tag is resident, unknown or repeated.
+            MemoryStateError: a tag is resident, unknown or repeated, or another
+                release/resume/sync is in progress.
         """
         with self._lock:
             tags = self._normalise(tags)
+            self._check_not_busy(f"resume {tags}")
             resident = [t for t in tags if not self._released[t]]
             if resident:
                 raise MemoryStateError(
                     f"tags {resident} are resident; resuming them would raise KeyError in SGLang's scheduler"
                 )
+            self._busy = "resume"
             return tags
 
     def commit(self, tags: Iterable[str], released: bool) -> None:
-        """Record that the engine released (``released=True``) or resumed ``tags``."""
+        """Record that the engine released (``released=True``) or resumed ``tags``; ends the operation."""
         with self._lock:
             for t in tags:
                 self._released[t] = released
+            self._busy = None
 
-    def request(self) -> "_InFlight":
-        """Context manager counting one running request; refuses to start if any tag is released.
+    def cancel(self) -> None:
+        """End an admitted release/resume/sync that never reached the engine (state unchanged)."""
+        with self._lock:
+            self._busy = None
+
+    def begin_sync(self) -> None:
+        """Admit a weight sync: weights resident, no request running, nothing else in progress.
+
+        From here until :meth:`end_sync` no generate is admitted, so none sees half-new weights.
 
         Raises:
-            MemoryStateError: on entry, when a tag is released (the engine would read freed memory).
+            MemoryStateError: the weights are released, requests run, or another operation is in progress.
+        """
+        with self._lock:
+            self._check_not_busy("start a weight sync")
+            if self._released.get("weights"):
+                raise MemoryStateError("weights are released: resume 'weights' before loading new weights")
+            if self._in_flight:
+                raise MemoryStateError(
+                    f"cannot start a weight sync while {self._in_flight} request(s) run: they would see half-new "
+                    "weights; wait for them or abort them first"
+                )
+            self._busy = "sync"
+
+    def sync_sent(self) -> None:
+        """Record that a sync's first bytes reached the engine: its weights are mixed until :meth:`end_sync`."""
+        with self._lock:
+            self._weights_incomplete = True
+
+    def end_sync(self, complete: bool) -> None:
+        """End the weight sync; ``complete`` True when every bucket loaded (the weights are whole again)."""
+        with self._lock:
+            if complete:
+                self._weights_incomplete = False
+            self._busy = None
+
+    def admit_request(self) -> None:
+        """Count one request as running; refuse it when the engine cannot serve it now.
+
+        Raises:
+            MemoryStateError: a tag is released (the engine would read freed memory), a
+                release/resume/sync is in progress, or the last weight sync did not complete.
+        """
+        with self._lock:
+            released = [t for t, r in self._released.items() if r]
+            if released:
+                raise MemoryStateError(f"engine is asleep (released: {released}); wake it up before generating")
+            if self._busy is not None:
+                raise MemoryStateError(f"cannot generate while a {self._busy} is in progress")
+            if self._weights_incomplete:
+                raise MemoryStateError(
+                    "the last weight sync did not complete and the engine's weights are mixed; sync again before generating"
+                )
+            self._in_flight += 1
+
+    def request_done(self) -> None:
+        """Count one request as ended (called when SGLang has finished or aborted it)."""
+        with self._lock:
+            self._in_flight -= 1
+
+    def request(self) -> "_InFlight":
+        """Context manager around :meth:`admit_request` / :meth:`request_done`.
+
+        Raises:
+            MemoryStateError: on entry, as :meth:`admit_request`.
         """
         return _InFlight(self)
 
@@ -143,16 +237,10 @@ class _InFlight:
         self._state = state
 
     def __enter__(self) -> None:
-        s = self._state
-        with s._lock:
-            released = [t for t, r in s._released.items() if r]
-            if released:
-                raise MemoryStateError(f"engine is asleep (released: {released}); wake it up before generating")
-            s._in_flight += 1
+        self._state.admit_request()
 
     def __exit__(self, *exc) -> None:
-        with self._state._lock:
-            self._state._in_flight -= 1
+        self._state.request_done()
 
 
 def device_memory(device: Optional[int] = None) -> Tuple[int, int]:

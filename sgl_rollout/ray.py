@@ -82,17 +82,40 @@ class RolloutServer:
     engine_factory = None
 
     def __init__(self, config):
+        from .engine import install_sigquit_handler
+
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig(**config)
         self.worker = None
         self.global_steps: Optional[int] = None
+        # Ray builds actors in the main thread; the engine starts later in the actor's event-loop
+        # thread, where CPython allows no signal handler. Without this, a dying scheduler's SIGQUIT
+        # would end the actor (and everything verl awaits on it) instead of raising EngineDeadError.
+        self.sigquit_handled = install_sigquit_handler()
 
     async def start(self) -> List[str]:
-        """Start the engine in this actor (blocks the actor for the engine's start-up); returns its tags."""
+        """Start the engine in this actor (blocks the actor for the engine's start-up); returns its tags.
+
+        Idempotent: a second call returns the running engine's tags and starts nothing.
+
+        Raises:
+            EngineClosedError: the engine was shut down.
+        """
         from .engine import RolloutEngine
         from .worker import RolloutWorker
 
+        if self.worker is not None:
+            self.worker.engine.check_alive()
+            return list(self.worker.engine.tags)
         engine = RolloutEngine(self.config, engine_factory=self.engine_factory)
         self.worker = RolloutWorker(self.config, engine=engine)
+        return list(self.worker.engine.tags)
+
+    async def restart(self) -> List[str]:
+        """Start a fresh engine after :class:`~sgl_rollout.engine.EngineDeadError` (blocks the actor
+        for the start-up); sync weights before generating. Returns the tags."""
+        if self.worker is None:
+            return await self.start()
+        self.worker.restart()
         return list(self.worker.engine.tags)
 
     @property
@@ -106,9 +129,10 @@ class RolloutServer:
         return {k: os.environ.get(k) for k in WATCHED_ENV}
 
     async def memory_state(self) -> Dict[str, Any]:
-        """``{"released": [...], "in_flight": int}``."""
+        """``{"released": [...], "in_flight": int, "busy": str | None, "weights_incomplete": bool, "alive": bool}``."""
         s = self._engine.state
-        return {"released": list(s.released), "in_flight": s.in_flight}
+        return {"released": list(s.released), "in_flight": s.in_flight, "busy": s.busy,
+                "weights_incomplete": s.weights_incomplete, "alive": self._engine.alive}
 
     # -------------------------------------------------------------- generation
     async def generate_batch(self, input_ids: List[List[int]], sampling_params: Optional[dict] = None, n: int = 1,
@@ -150,12 +174,33 @@ class RolloutServer:
         return await self.resume_stage(WEIGHTS) + await self.resume_stage(KV_CACHE)
 
     # -------------------------------------------------------------- weights
+    async def begin_weight_sync(self) -> None:
+        """Start a bucketed weight sync: from here until :meth:`finish_weight_sync` no generate is
+        admitted, so none sees half-new weights.
+
+        Raises:
+            MemoryStateError: weights released, requests running, or another operation in progress.
+        """
+        await self._engine.async_begin_sync()
+
+    async def finish_weight_sync(self, ok: bool = True) -> None:
+        """End the sync begun by :meth:`begin_weight_sync`; with ``ok`` the prefix cache is flushed.
+
+        ``ok=False`` (a failed sync) leaves the engine refusing generates until a complete sync, if
+        any bucket had reached it.
+        """
+        self._engine.end_sync(ok)
+        if ok:
+            await self._engine.async_flush_cache()
+
     async def update_weights_from_payloads(self, payloads: List[bytes]) -> None:
-        """Load one flattened bucket: ``payloads[r]`` is TP rank ``r``'s serialized payload.
+        """Load one flattened bucket (inside :meth:`begin_weight_sync` / :meth:`finish_weight_sync`):
+        ``payloads[r]`` is TP rank ``r``'s serialized payload.
 
         Raises:
             RuntimeError: SGLang reports a failed load.
-            MemoryStateError: the weights are released.
+            MemoryStateError: the weights are released, or no sync was begun.
+            ValueError: not one payload per TP rank.
         """
         if len(payloads) != self.config.tensor_model_parallel_size:
             raise ValueError(f"{len(payloads)} payloads for TP size {self.config.tensor_model_parallel_size}")
@@ -221,21 +266,30 @@ def sync_weights_from_workers(server, workers: Sequence, prepare: str = "next_we
 
     Raises:
         RuntimeError: workers disagree on the number of buckets, or the engine fails to load one.
+        Whatever a worker's ``prepare()`` raises (a ``SyncValidationError``, say). In every case each
+        worker's held bucket is released before this returns, and the engine is told the sync failed.
     """
     import ray
 
     n = 0
-    while True:
-        payloads = ray.get([getattr(w, prepare).remote() for w in workers])
-        done = [p is None for p in payloads]
-        if all(done):
-            break
-        if any(done):
-            raise RuntimeError(f"workers ran out of buckets at different times (bucket {n}: {done})")
-        try:
-            ray.get(server.update_weights_from_payloads.remote(payloads))
-        finally:
-            ray.get([getattr(w, release).remote() for w in workers])
-        n += 1
-    ray.get(server.flush_cache.remote())
+    ray.get(server.begin_weight_sync.remote())
+    ok = False
+    try:
+        while True:
+            refs = [getattr(w, prepare).remote() for w in workers]
+            try:
+                payloads = ray.get(refs)
+                done = [p is None for p in payloads]
+                if all(done):
+                    break
+                if any(done):
+                    raise RuntimeError(f"workers ran out of buckets at different times (bucket {n}: {done})")
+                ray.get(server.update_weights_from_payloads.remote(payloads))
+            finally:
+                ray.wait(refs, num_returns=len(refs))  # a failed worker must not leave the others holding
+                ray.get([getattr(w, release).remote() for w in workers])
+            n += 1
+        ok = True
+    finally:
+        ray.get(server.finish_weight_sync.remote(ok))
     return n

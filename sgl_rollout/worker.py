@@ -15,8 +15,10 @@ what lets the KV cache take a large memory fraction without an OOM at the train-
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import ItemsView, Mapping
 from typing import Callable, Dict, Iterable, List, Optional
 
 from .config import RolloutConfig
@@ -24,6 +26,7 @@ from .engine import Generation, RolloutEngine
 from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache
 from .weight_sync import SyncStats, send_flattened_buckets
 from .weight_sync.bucket import NamedTensor
+from .weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,8 @@ class RolloutWorker:
         self.engine = engine if engine is not None else RolloutEngine(config)
         self.timeline = timeline if timeline is not None else MemoryTimeline()
         self.last_phase_seconds: Dict[str, float] = {}
+        self._manifest: Optional[WeightManifest] = None
+        self._manifest_tried = False
         self.timeline.record("engine_ready")
 
     # ----------------------------------------------------------------- helpers
@@ -67,6 +72,25 @@ class RolloutWorker:
         if self.config.sleep_level == 2:
             tags.insert(0, WEIGHTS)
         return tags
+
+    @property
+    def manifest(self) -> Optional[WeightManifest]:
+        """The model's weight manifest (read once from ``config.model_path``), or None when
+        ``validate_sync`` is off or it cannot be read (logged once)."""
+        if not self.config.validate_sync:
+            return None
+        if not self._manifest_tried:
+            self._manifest_tried = True
+            try:
+                self._manifest = WeightManifest.from_pretrained(self.config.model_path)
+            except Exception as exc:  # noqa: BLE001 - a sync without validation beats no sync
+                logger.warning("no weight manifest for %s (%s): weight syncs are not validated",
+                               self.config.model_path, exc)
+        return self._manifest
+
+    @manifest.setter
+    def manifest(self, value: Optional[WeightManifest]) -> None:
+        self._manifest, self._manifest_tried = value, True
 
     @property
     def asleep(self) -> bool:
@@ -88,6 +112,7 @@ class RolloutWorker:
             MemoryStateError: already asleep, or requests are running.
         """
         self.last_phase_seconds = {}
+        self.engine.settle()
         if not self.config.free_cache_engine:
             return []
         t0 = time.perf_counter()
@@ -105,6 +130,7 @@ class RolloutWorker:
             the tags resumed.
         """
         resumed: List[str] = []
+        self.engine.settle()
         t0 = time.perf_counter()
         if WEIGHTS in self.engine.state.released:
             if not self.config.enable_weights_cpu_backup:
@@ -121,35 +147,72 @@ class RolloutWorker:
         self,
         named_tensors: Iterable[NamedTensor],
         offload_trainer: Optional[Callable[[], None]] = None,
+        partial: bool = False,
     ) -> SyncStats:
         """Staged wake with a weight sync (see the module docstring for the order).
 
         Works asleep or awake: stages whose tags are resident are skipped, so with
         ``free_cache_engine=False`` nothing is released or resumed, only synced.
 
+        Every tensor is checked against :attr:`manifest` before any byte of it reaches the engine: a
+        list, tuple or ``dict.items()`` is checked whole before anything is resumed or sent; a lazy
+        iterator bucket by bucket (a refused bucket is never sent, but earlier buckets were). From
+        the first byte sent until the sync completes, no generate is admitted; a sync that fails after
+        sending leaves the engine refusing generates until a complete sync.
+
         Args:
             named_tensors: (name, tensor) in Hugging Face naming, CPU or CUDA, consumed lazily.
             offload_trainer: called once the engine holds the new weights and before the KV cache
                 returns; it should move the trainer's parameters, gradients and optimizer state off
                 the GPU.
+            partial: allow a sync of only some of the weights (default: every weight must come).
 
         Returns:
             SyncStats of the sync; per-phase seconds are in ``last_phase_seconds``.
 
         Raises:
+            TypeError: ``named_tensors`` is a dict (pass ``.items()``).
+            ValueError: an item is not a (str, Tensor) pair.
+            SyncValidationError: unknown names, wrong shapes, non-floating dtypes, or (full sync)
+                missing names, all listed; or an empty sync while the weights are released (they
+                would come back undefined). The engine keeps serving its previous weights when the
+                refusal came before the first byte.
             RuntimeError: SGLang failed to load a bucket (its weights may be partly new).
+            MemoryStateError: requests run, or another operation is in progress.
         """
         self.last_phase_seconds = {}
+        if isinstance(named_tensors, Mapping):
+            raise TypeError("named_tensors is a dict: pass dict.items() (or model.named_parameters())")
+        self.engine.settle()  # a release/resume an interrupted caller sent is answered first
+        materialised = isinstance(named_tensors, (list, tuple, ItemsView))
+        items = list(named_tensors) if materialised else iter(named_tensors)
+        first = (items[0] if items else None) if materialised else next(items, None)
+        weights_released = WEIGHTS in self.engine.state.released
+        if first is None and weights_released:
+            raise SyncValidationError(
+                ["empty weight sync (an empty or already consumed iterator?) while the weights are released: "
+                 "they would come back with undefined contents; the engine stays asleep"])
+        if not materialised and first is not None:
+            items = itertools.chain([first], items)
+        manifest = self.manifest
+        validator = SyncValidator(manifest, partial=partial) if manifest is not None else None
+        if materialised and validator is not None:
+            validator.validate_all(items)  # everything refused before anything is resumed or sent
+            validator = None
         t_start = t0 = time.perf_counter()
-        if WEIGHTS in self.engine.state.released:
+        if weights_released:
             self.engine.resume([WEIGHTS])
+            if not self.config.enable_weights_cpu_backup:
+                self.engine.state.sync_sent()  # undefined until a complete sync
             t0 = self._phase("resume_weights", t0)
-        stats = send_flattened_buckets(
-            self.engine,
-            named_tensors,
-            bucket_bytes=self.config.bucket_bytes,
-            tp_size=self.config.tensor_model_parallel_size,
-        )
+        with self.engine.weight_sync():
+            stats = send_flattened_buckets(
+                self.engine,
+                items,
+                bucket_bytes=self.config.bucket_bytes,
+                tp_size=self.config.tensor_model_parallel_size,
+                validator=validator,
+            )
         t0 = self._phase("sync", t0)
         if offload_trainer is not None:
             offload_trainer()
@@ -166,6 +229,13 @@ class RolloutWorker:
             stats.n_tensors, stats.n_buckets, stats.bytes / 1e6, stats.seconds * 1e3, stats.gb_per_s,
         )
         return stats
+
+    def restart(self) -> None:
+        """Start a fresh engine after a death (:class:`~sgl_rollout.engine.EngineDeadError`); all tags
+        come back resident with the weights ``config.load_format`` gives: call :meth:`update_weights`
+        with the trainer's weights before generating."""
+        self.engine.restart()
+        self.timeline.record("engine_restarted")
 
     def shutdown(self) -> None:
         """Stop the engine (only its own processes)."""

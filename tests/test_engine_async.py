@@ -32,7 +32,11 @@ def test_async_guards_and_calls(monkeypatch):
         with pytest.raises(MemoryStateError):
             await eng.async_generate([[1]])
         await eng.async_resume(["weights"])
+        with pytest.raises(MemoryStateError, match="begin_sync"):
+            await eng.async_update_weights_from_tensor([b"p"], load_format="flattened_bucket")
+        await eng.async_begin_sync()
         assert await eng.async_update_weights_from_tensor([b"p"], load_format="flattened_bucket") == (True, "Success")
+        eng.end_sync(True)
         await eng.async_flush_cache()  # KV cache released: skipped
         await eng.async_resume(["kv_cache"])
         with pytest.raises(MemoryStateError):

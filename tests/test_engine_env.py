@@ -75,7 +75,7 @@ def test_shutdown_ends_only_the_engines_processes(monkeypatch):
     try:
         eng = RolloutEngine(RolloutConfig(model_path="/fake"), engine_factory=_SpawningEngine)
         child = eng._engine.proc
-        assert eng._child_pids == [child.pid]
+        assert eng._child_pids == sorted([child.pid, eng._engine.scheduler.pid])
         eng.shutdown()
         assert child.wait(timeout=15) is not None
         assert bystander.poll() is None  # the unrelated child of the host still runs

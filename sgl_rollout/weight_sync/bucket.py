@@ -32,7 +32,17 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Iterator[List[NamedTensor]]:
+def _checked_item(item) -> NamedTensor:
+    if not (isinstance(item, tuple) and len(item) == 2):
+        hint = " (iterating a dict gives its keys: pass dict.items())" if isinstance(item, str) else ""
+        raise ValueError(f"expected (str, torch.Tensor) pairs, got {type(item).__name__} {str(item)[:60]!r}{hint}")
+    name, tensor = item
+    if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"expected (str, torch.Tensor), got ({type(name).__name__}, {type(tensor).__name__})")
+    return name, tensor
+
+
+def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int, validator=None) -> Iterator[List[NamedTensor]]:
     """Yield consecutive groups of ``(name, tensor)`` whose flattened size fits ``bucket_bytes``.
 
     A tensor larger than ``bucket_bytes`` travels alone in its own bucket. Order is kept. The input
@@ -42,24 +52,43 @@ def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Ite
     Args:
         named_tensors: (name, tensor) pairs; tensors of any dtype, device, shape and strides.
         bucket_bytes: most bytes in one bucket, counting the ``ALIGN`` padding; must be >= 1.
+        validator: an optional :class:`~.manifest.SyncValidator`. Each tensor is checked as it is
+            bucketed; a bucket holding a bad tensor is never yielded: the rest of the input is then
+            checked too (names and shapes only, nothing is kept) and one
+            :class:`~.manifest.SyncValidationError` lists every problem. Names a full sync lacks are
+            reported before the last bucket is yielded.
 
     Raises:
         ValueError: ``bucket_bytes`` < 1, or an item is not a (str, Tensor) pair.
+        SyncValidationError: ``validator`` found problems (before the bucket that holds them is yielded).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    items = iter(named_tensors)
     bucket: List[NamedTensor] = []
     used = 0
-    for item in named_tensors:
-        name, tensor = item
-        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"expected (str, torch.Tensor), got ({type(name).__name__}, {type(tensor).__name__})")
+
+    def refuse_if_bad() -> None:
+        if validator is not None and not validator.ok:
+            for rest in items:  # report everything at once; each item is dropped right away
+                validator.check(*_checked_item(rest))
+            validator.finish()
+            validator.raise_if_failed()
+
+    for item in items:
+        name, tensor = _checked_item(item)
+        if validator is not None:
+            validator.check(name, tensor)
         size = _aligned(tensor_nbytes(tensor))
         if bucket and used + size > bucket_bytes:
+            refuse_if_bad()
             yield bucket
             bucket, used = [], 0
         bucket.append((name, tensor))
         used += size
+    refuse_if_bad()
+    if validator is not None:
+        validator.finish()
     if bucket:
         yield bucket
 

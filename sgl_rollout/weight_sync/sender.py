@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Optional, Protocol, Union
+from typing import Callable, Iterable, List, Mapping, Optional, Protocol, Union
 
 import torch
 
@@ -69,6 +69,7 @@ def send_flattened_buckets(
     tp_size: int = 1,
     device: Optional[Union[int, str, torch.device]] = None,
     on_bucket: Optional[Callable[[int, int], None]] = None,
+    validator=None,
 ) -> SyncStats:
     """Send ``named_tensors`` to ``engine`` in flattened buckets of at most ``bucket_bytes``.
 
@@ -83,6 +84,8 @@ def send_flattened_buckets(
         tp_size: number of TP ranks of the engine.
         device: device for the buffers; None: ``torch.cuda.current_device()`` (the CPU without CUDA).
         on_bucket: called after each bucket with (bucket index, bytes) (progress reporting).
+        validator: optional :class:`~.manifest.SyncValidator`; each tensor is checked as it is
+            bucketed and a bucket with a bad tensor is never sent (see :func:`~.bucket.iter_buckets`).
 
     Returns:
         SyncStats of the sync.
@@ -90,12 +93,13 @@ def send_flattened_buckets(
     Raises:
         RuntimeError: the engine reports a failed load (its message is included). The engine's
             weights may then be partly updated (SGLang says so too); sync again before generating.
+        SyncValidationError: ``validator`` refused a tensor; nothing of that bucket was sent.
     """
     if device is None:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     stats = SyncStats()
     t0 = time.perf_counter()
-    for i, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes)):
+    for i, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, validator=validator)):
         data, flat = make_payload(bucket, device=device)
         result = engine.update_weights_from_tensor([data] * tp_size, load_format="flattened_bucket", flush_cache=False)
         _raise_on_failure(result)
@@ -139,13 +143,24 @@ class BucketStream:
         named_tensors: (name, tensor) pairs, consumed lazily.
         bucket_bytes: most bytes per bucket.
         device: device for the buffers; None: the current CUDA device (the CPU without CUDA).
+        manifest: optional :class:`~.manifest.WeightManifest`; every tensor is checked against it as
+            it is bucketed, and :meth:`next_payload` raises
+            :class:`~.manifest.SyncValidationError` instead of returning a bad bucket.
+        partial: with a manifest, allow a sync that leaves some weights out (default: a full sync).
     """
 
     def __init__(self, named_tensors: Iterable[NamedTensor], bucket_bytes: int,
-                 device: Optional[Union[int, str, torch.device]] = None):
+                 device: Optional[Union[int, str, torch.device]] = None, manifest=None, partial: bool = False):
         if device is None:
             device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        self._buckets = iter_buckets(named_tensors, bucket_bytes)
+        if isinstance(named_tensors, Mapping):
+            raise TypeError("named_tensors is a dict: pass dict.items() (or model.named_parameters())")
+        validator = None
+        if manifest is not None:
+            from .manifest import SyncValidator
+
+            validator = SyncValidator(manifest, partial=partial)
+        self._buckets = iter_buckets(named_tensors, bucket_bytes, validator=validator)
         self._device = device
         self._held = None
         self.stats = SyncStats()
@@ -155,6 +170,7 @@ class BucketStream:
 
         Raises:
             RuntimeError: the previous bucket was not released.
+            SyncValidationError: the manifest refused a tensor of the next bucket (nothing returned).
         """
         if self._held is not None:
             raise RuntimeError("release() the previous bucket first")
