@@ -134,12 +134,32 @@ def _kill_trees(pids: Sequence[int], timeout_s: float = 10.0) -> None:
 
 
 def _kill_procs(procs: list, timeout_s: float = 10.0) -> None:
-    """SIGTERM ``procs`` (psutil.Process), then SIGKILL those still alive after ``timeout_s``."""
+    """SIGTERM ``procs`` (psutil.Process), then SIGKILL those still alive after ``timeout_s``.
+
+    SGLang's scheduler and detokenizer are ``multiprocessing`` children: they are reaped through
+    ``Process.join`` so that ``multiprocessing`` records their exit. Reaped behind its back (by
+    ``os.waitpid``), it would believe them alive forever and its exit hook, which joins every child,
+    would hang the host process at exit.
+    """
+    import multiprocessing
+
     import psutil
 
     for p in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
+    mp_children = {c.pid: c for c in multiprocessing.active_children()}
+    others = []
+    for p in procs:
+        child = mp_children.get(p.pid)
+        if child is None:
+            others.append(p)
+            continue
+        child.join(timeout_s)
+        if child.is_alive():
+            child.kill()
+            child.join(timeout_s)
+    procs = others
     _gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
     for p in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -255,6 +275,8 @@ class RolloutEngine:
         self._pending_lock = threading.Lock()
         self._last_op: Optional[concurrent.futures.Future] = None
         self._sync_lock = threading.Lock()
+        self._lifecycle_lock = threading.RLock()
+        self._generation = 0
         self._bucket_loading = False
         self._sync_abandoned = False
         atexit.register(self.shutdown)
@@ -266,10 +288,10 @@ class RolloutEngine:
         if factory is None:
             from sglang.srt.entrypoints.engine import Engine as factory  # noqa: N813
 
+        self._generation += 1
         self.state = MemoryState(engine_tags(self.config))
         self._last_op = None
         self._bucket_loading = self._sync_abandoned = False
-        self._dead = None
         self._sigquit_at = None
         self._child_pids: List[int] = []
         before = _child_pids()
@@ -280,9 +302,12 @@ class RolloutEngine:
         try:
             with patched_environ(engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check)):
                 self._engine = factory(**server_args)
-        except BaseException:
+        except BaseException as exc:
             _kill_trees(sorted(_child_pids() - before))
+            if self._generation > 1:  # a failed restart: calls keep raising EngineDeadError
+                self._dead = f"restart failed: {exc!r}"
             raise
+        self._dead = None
         self._child_pids = sorted(_child_pids() - before)
         self._descendants: dict = {}
         self._track_descendants()
@@ -313,28 +338,37 @@ class RolloutEngine:
                     self._descendants.setdefault(p.pid, p)  # psutil.Process: safe against pid reuse
 
     def _watch(self) -> None:
-        ticks = 0
-        while not self._stop_watch.wait(self._watch_interval_s):
+        ticks, generation, stop = 0, self._generation, self._stop_watch
+        while not stop.wait(self._watch_interval_s):
             if ticks % 10 == 0:
                 self._track_descendants()
             ticks += 1
             dead = _dead_pids(self._child_pids)
             if dead:
-                self._mark_dead(f"engine process(es) {dead} exited")
+                self._mark_dead(f"engine process(es) {dead} exited", generation)
                 return
             quit_at = self._sigquit_at
             if quit_at is not None and time.monotonic() - quit_at > 10.0:
                 logger.warning("SIGQUIT received but this engine's processes are alive; ignored")
                 self._sigquit_at = None
 
-    def _mark_dead(self, reason: str) -> None:
-        """Record the engine's death, fail every call in flight, end what is left of its processes."""
-        if self._closed or self._dead is not None:
-            return
-        self._dead = reason
-        logger.error("SGLang engine died: %s; calls raise EngineDeadError until restart()", reason)
+    def _mark_dead(self, reason: str, generation: Optional[int] = None) -> None:
+        """Record the engine's death, end what is left of its processes, then fail every call in flight.
+
+        ``generation``: the engine start the caller saw; a late report about an engine that was
+        already restarted is ignored. The processes are ended before the calls fail, and under the
+        life-cycle lock, so a :meth:`restart` prompted by the error starts on freed GPUs and cannot
+        have its own processes taken for the dead engine's.
+        """
+        with self._lifecycle_lock:
+            if generation is not None and generation != self._generation:
+                return
+            if self._closed or self._dead is not None:
+                return
+            self._dead = reason
+            logger.error("SGLang engine died: %s; calls raise EngineDeadError until restart()", reason)
+            self._stop_machinery()
         self._fail_pending(EngineDeadError(f"the SGLang engine died ({reason}); call restart()"))
-        self._stop_machinery()
 
     def _fail_pending(self, exc: BaseException) -> None:
         with self._pending_lock:
@@ -394,12 +428,13 @@ class RolloutEngine:
         """
         if self._closed:
             raise EngineClosedError("the engine was shut down; make a new RolloutEngine")
-        if self._dead is None:
-            self._dead = "restarting"
-            self._fail_pending(EngineDeadError("the engine is restarting"))
-            self._stop_machinery()
-        t0 = time.perf_counter()
-        self._start()
+        with self._lifecycle_lock:  # waits until a death being handled has ended the old processes
+            if self._dead is None:
+                self._dead = "restarting"
+                self._stop_machinery()
+                self._fail_pending(EngineDeadError("the engine is restarting"))
+            t0 = time.perf_counter()
+            self._start()
         logger.info("SGLang engine restarted in %.1f s", time.perf_counter() - t0)
 
     # ----------------------------------------------------------------- calls into SGLang
@@ -478,11 +513,13 @@ class RolloutEngine:
         return self._engine.tokenizer_manager
 
     def _op_done(self, op: str, tags: Optional[List[str]] = None, released: Optional[bool] = None):
+        generation, state = self._generation, self.state
+
         def on_done(exc: Optional[BaseException]) -> None:
             if exc is None:
-                self.state.commit(tags or [], released=bool(released))
+                state.commit(tags or [], released=bool(released))
             else:  # the outcome is unknown: never guess; the engine is unusable until restart()
-                self._mark_dead(f"{op} {tags} failed in SGLang: {exc!r}")
+                self._mark_dead(f"{op} {tags} failed in SGLang: {exc!r}", generation)
         return on_done
 
     def _start_op(self, op: str, tags: List[str], released: bool) -> concurrent.futures.Future:
@@ -737,14 +774,15 @@ class RolloutEngine:
     def shutdown(self) -> None:
         """Stop the engine's processes, and only those. Safe to call twice; later calls raise
         :class:`EngineClosedError`."""
-        if self._closed:
-            return
-        was_dead = self._dead is not None
-        self._closed = True
-        atexit.unregister(self.shutdown)
+        with self._lifecycle_lock:  # a death being handled ends its processes first
+            if self._closed:
+                return
+            was_dead = self._dead is not None
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            if not was_dead:
+                self._stop_machinery()
         self._fail_pending(EngineClosedError("the engine was shut down"))
-        if not was_dead:
-            self._stop_machinery()
         logger.info("SGLang engine stopped (processes %s)", self._child_pids)
 
     def __enter__(self) -> "RolloutEngine":

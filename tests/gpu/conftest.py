@@ -22,3 +22,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_unconfigure(config):
+    """If the GPU suite's process is still alive 60 s after pytest is done, print every thread's stack
+    and exit: a process that cannot exit (a trainer that hangs after training) is a bug to see, not wait on."""
+    import faulthandler
+    import sys
+    import threading
+
+    if torch.cuda.is_available():
+        alive = [f"{t.name}{' (daemon)' if t.daemon else ''}" for t in threading.enumerate()]
+        print(f"\nthreads at exit: {alive}", file=sys.stderr)
+        faulthandler.dump_traceback_later(60, exit=True)
