@@ -1,8 +1,18 @@
-"""verl's call sequence through this package's replica, server actor and in-worker adapter, on a local
-CPU Ray cluster, with an engine double inside the server actor that fails the way SGLang does."""
+"""verl's real classes driving this package's replica, server actor and adapter on a local CPU Ray
+cluster, with only SGLang replaced by an engine double (tests/fakes.py) inside the server actor:
+
+* verl's hybrid call sequence (sleep, staged wake, weight sync, generate) through the adapter;
+* two replicas through verl's ``LLMServerManager``, load balancer and ``LLMServerClient``;
+* verl's ``CheckpointEngineWorker`` (no device mesh, an async weight generator) at TP=2 over gloo;
+* verl's partial-rollout pause (``abort_all_requests`` / ``resume_generation``)."""
 
 import asyncio
+import os
+import pickle
+import shutil
+import socket
 import sys
+import threading
 import types
 
 import pytest
@@ -10,12 +20,54 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("verl")
 
+import _sglang_cpu  # noqa: E402
 import fakes  # noqa: E402
+import torch  # noqa: E402
+from test_verl_config import compose, make_tiny_model  # noqa: E402
+from verl.checkpoint_engine.base import CheckpointEngineWorker  # noqa: E402
+
 from sgl_rollout.integrations.verl_rollout import SglRolloutAdapter, SglRolloutReplica, VerlRolloutServer  # noqa: E402
+from sgl_rollout.weight_sync.bucket import iter_buckets  # noqa: E402
 
 
 class FakeServer(VerlRolloutServer):
-    engine_factory = fakes.FakeAsyncSGLangEngine
+    """The real server actor with the engine double, plus read-outs for the tests."""
+
+    engine_factory = fakes.FakeSGLangEngine
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sync_log = []
+        self.loaded = []
+
+    async def start(self):
+        _sglang_cpu.ensure_sglang_importable()
+        # request objects without SGLang's serving stack
+        sys.modules["sgl_rollout.engine"]._req = lambda name, **fields: types.SimpleNamespace(**fields)
+        tags = await super().start()
+        self._engine._engine.on_update = self._record
+        return tags
+
+    def _record(self, payloads):
+        """What each TP rank's payload holds: [(name, sum of values)] per rank (or the unpickling error)."""
+        bucket = []
+        for p in payloads:
+            try:
+                d = pickle.loads(p)
+                flat = d["flattened_tensor"]
+                bucket.append([(m.name, float(flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape).double().sum()))
+                               for m in d["metadata"]])
+            except Exception as e:  # noqa: BLE001 - shown by the test
+                bucket.append(repr(e))
+        self.loaded.append(bucket)
+
+    async def begin_weight_sync(self):
+        self.sync_log.append("begin")
+        return await super().begin_weight_sync()
+
+    async def finish_weight_sync(self, ok=True):
+        self.sync_log.append(f"finish:{ok}")
+        return await super().finish_weight_sync(ok)
 
     async def fake_calls(self):
         return list(self._engine._engine.calls)
@@ -23,56 +75,177 @@ class FakeServer(VerlRolloutServer):
     async def last_sampling_params(self):
         return self._engine._engine.last_sampling_params
 
+    async def server_args(self):
+        return dict(self._engine._engine.server_args)
+
+    async def read_log(self):
+        return list(self.sync_log), list(self.loaded)
+
+    async def block_generation(self, on: bool):
+        self._engine._engine.block = threading.Event() if on else None
+
+
+class Replica(SglRolloutReplica):
+    server_class = FakeServer
+
 
 class TrainerWorker:
     def ping(self):
         return True
 
 
+class CEWorker(CheckpointEngineWorker):
+    """verl's CheckpointEngineWorker, whose checkpoint engine yields given weights as an async generator."""
+
+    def __init__(self, *args, **kwargs):
+        _sglang_cpu.ensure_sglang_importable()
+        torch.multiprocessing.set_sharing_strategy("file_system")  # the server actor opens CPU payloads
+        super().__init__(*args, **kwargs)
+
+    def set_weights(self, items, fail_at=None):
+        async def receive_weights(global_steps=None):
+            for i, (name, tensor) in enumerate(items):
+                if i == fail_at:
+                    raise RuntimeError("boom: the checkpoint engine lost the connection")
+                await asyncio.sleep(0)
+                yield name, tensor
+
+        self.checkpoint_engine.receive_weights = receive_weights
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="sgl_rollout_verl_test")
-    for mod in (sys.modules[__name__], fakes):
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, namespace="sgl_rollout_verl_test")
+    for mod in (sys.modules[__name__], fakes, _sglang_cpu):
         ray.cloudpickle.register_pickle_by_value(mod)  # the actors cannot import the test files
     yield
     ray.shutdown()
 
 
-def test_verl_sequence(cluster, monkeypatch):
-    import torch
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny") / "tiny-llama"), hidden=128, intermediate=256, vocab=512)
+
+
+def _stop(*servers):
+    for s in servers:
+        ray.get(s.shutdown.remote())
+        ray.kill(s)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ce_setup(cluster, tiny_model):
+    """Two verl CheckpointEngineWorkers of a TP=2 standalone replica (made first: their start-up overlaps
+    the manager's), with the verl configs they were built from."""
+    from verl.workers.config import CheckpointEngineConfig
     from verl.workers.config import RolloutConfig as VerlRolloutConfig
 
+    cfg = VerlRolloutConfig(name="sglang", tensor_model_parallel_size=2, n_gpus_per_node=2, enforce_eager=True,
+                            checkpoint_engine=CheckpointEngineConfig(backend="naive", update_weights_bucket_megabytes=1))
+    model = {"_target_": "verl.workers.config.HFModelConfig", "path": tiny_model}
+    port = _free_port()
+    workers = [
+        ray.remote(CEWorker).options(num_cpus=0, runtime_env={"env_vars": {
+            "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}}).remote(
+            rollout_config=cfg, model_config=model, replica_rank=2)
+        for r in range(2)]
+    yield cfg, model, workers
+    for w in workers:
+        ray.kill(w)
+
+
+@pytest.fixture(scope="module")
+def manager(cluster, tiny_model, ce_setup):
+    """verl's LLMServerManager over two TP=1 replicas on one node (hybrid mode), from the composed
+    ppo_trainer config: response_length 7, max_model_len 64, the model copied to /dev/shm (use_shm)."""
+    from verl.workers.rollout.llm_server import LLMServerManager
+
+    class Manager(LLMServerManager):
+        rollout_replica_class = Replica
+
+    root = compose("actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=2",
+                   "actor_rollout_ref.model.use_shm=true", "data.max_response_length=7",
+                   "actor_rollout_ref.rollout.max_model_len=64", "actor_rollout_ref.rollout.enforce_eager=true",
+                   model_path=tiny_model)
+    workers = [ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": str(i)}}).remote()
+               for i in range(2)]
+    m = Manager.create(root, worker_group=types.SimpleNamespace(workers=workers, world_size=2))
+    m.root = root
+    local = ray.get(m.server_handles[0].model_path.remote())
+    yield m
+    _stop(*m.server_handles)
+    ray.kill(m.global_load_balancer)
+    shutil.rmtree(os.path.dirname(local), ignore_errors=True)
+
+
+def _generates(server) -> int:
+    return sum(c[0] == "generate" for c in ray.get(server.fake_calls.remote()))
+
+
+def test_two_replicas_get_distinct_addresses_and_share_requests(manager):
+    """verl's LLMServerManager keys its load balancer by server address: two replicas on one node
+    must both get entries, and both must serve (40 requests through verl's real client)."""
+    servers = manager.server_handles
+    assert len(servers) == 2 and len(set(manager.server_addresses)) == 2
+    host, port = manager.server_addresses[0].rsplit(":", 1)
+    assert int(port) > 0 and host == ray.util.get_node_ip_address()
+    with pytest.raises(ConnectionRefusedError):  # reserved, but no HTTP server behind it
+        socket.create_connection((host, int(port)), timeout=5).close()
+    status = ray.get(manager.global_load_balancer.get_status.remote())
+    assert status["active_servers"] == 2
+    # use_shm: each engine loads from the node's /dev/shm copy, as verl's own server does
+    local = ray.get(servers[0].model_path.remote())
+    assert local.startswith("/dev/shm/verl-cache/") and ray.get(servers[0].server_args.remote())["model_path"] == local
+    assert ray.get(servers[1].env.remote())["CUDA_VISIBLE_DEVICES"] == "1"
+
+    client = manager.get_client()
+    before = [_generates(s) for s in servers]
+
+    async def requests():
+        return await asyncio.gather(*[
+            client.generate(f"req{i}", prompt_ids=[5, 6, 7], sampling_params={"max_tokens": 4, "logprobs": True})
+            for i in range(40)])
+
+    outs = asyncio.run(requests())
+    assert all(o.token_ids == [8, 9, 10, 11] and len(o.log_probs) == 4 for o in outs)
+    per_server = [_generates(s) - b for s, b in zip(servers, before)]
+    assert sum(per_server) == 40 and min(per_server) > 0, per_server
+
+
+def test_verl_sequence(manager, tiny_model, monkeypatch):
+    """verl's hybrid step through replica 0 and an adapter as verl's trainer worker builds it."""
+    from safetensors.torch import load_file
+    from verl.utils.config import omega_conf_to_dataclass
+
     monkeypatch.setenv("RANK", "0")
-    cfg = VerlRolloutConfig(name="sglang", tensor_model_parallel_size=1, gpu_memory_utilization=0.5,
-                            enforce_eager=True, response_length=7, max_model_len=64)
-    model_config = types.SimpleNamespace(local_path="/fake/model")
-
-    class Replica(SglRolloutReplica):
-        server_class = FakeServer
-
-    replica = Replica(replica_rank=0, config=cfg, model_config=model_config, gpus_per_node=1)
-    replica.workers = [ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": "3"}}).remote()]
-    asyncio.run(replica.launch_servers())
-    server = replica.server_handle
-    assert ray.get(server.env.remote())["CUDA_VISIBLE_DEVICES"] == "3"
-    assert replica.server_address.endswith(":0")
-
-    # the server actor must build SGLang request objects without SGLang's serving stack here
-    ray.get(server.__ray_call__.remote(
-        lambda self: setattr(sys.modules["sgl_rollout.engine"], "_req", lambda n, **f: types.SimpleNamespace(**f))))
-
-    adapter = SglRolloutAdapter(cfg, model_config, device_mesh=None)
-    assert adapter.sleep_level == 2 and adapter.tp_rank == 0
+    # the server actor opens the payloads to check them: CPU storages must be shared by file name
+    monkeypatch.setattr(torch.multiprocessing, "_sharing_strategy", torch.multiprocessing.get_sharing_strategy())
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    replica, server = manager.get_replicas()[0], manager.server_handles[0]
+    cfg = omega_conf_to_dataclass(manager.root.actor_rollout_ref.rollout)
+    adapter = SglRolloutAdapter(cfg, manager.root.actor_rollout_ref.model, device_mesh=None)
+    assert adapter.sleep_level == 2 and adapter.tp_rank == 0 and adapter.is_leader_rank
+    calls_before = len(ray.get(server.fake_calls.remote()))
 
     # verl: sleep_replicas(), then per step resume weights, update_weights, offload, resume kv_cache
     asyncio.run(replica.sleep())
     with pytest.raises(ray.exceptions.RayTaskError, match="already released"):
         asyncio.run(replica.sleep())  # a second sleep is refused, the engine lives on
     asyncio.run(adapter.resume(["weights"]))
-    weights = ((f"model.layers.{i}.base_layer.weight", torch.full((256, 256), float(i))) for i in range(3))
-    asyncio.run(adapter.update_weights(weights, peft_config=None, base_sync_done=True, global_steps=5))
+    items = sorted(load_file(os.path.join(tiny_model, "model.safetensors")).items())
+    lora_named = [(n.replace("up_proj.", "up_proj.base_layer."), t) for n, t in items]  # verl's LoRA-merged names
+    asyncio.run(adapter.update_weights(iter(lora_named), peft_config=None, base_sync_done=True, global_steps=5))
     asyncio.run(adapter.resume(["kv_cache"]))
     asyncio.run(adapter.resume(["kv_cache"]))  # resuming a resident stage is a no-op, not a crash
+    log, loaded = ray.get(server.read_log.remote())
+    assert log[-2:] == ["begin", "finish:True"]
+    assert loaded[-1][0] == [(n, float(t.double().sum())) for n, t in items]  # names folded, values intact
 
     out = ray.get(server.generate.remote([1, 2, 3], {"logprobs": True, "temperature": 1.0}, request_id="r0"))
     assert out.token_ids == [4 + k for k in range(7)]  # response_length=7 new tokens by default
@@ -83,10 +256,20 @@ def test_verl_sequence(cluster, monkeypatch):
     out = ray.get(server.generate.remote([1], {"max_new_tokens": 3, "max_tokens": 9}, request_id="r2"))
     assert out.token_ids == [2, 3, 4]
     assert ray.get(server.last_sampling_params.remote()) == {"max_new_tokens": 3}  # vLLM's key never reaches SGLang
+    out = ray.get(server.generate.remote([1], {"max_new_tokens": 0, "logprobs": True}, request_id="r3"))
+    assert out.token_ids == [] and out.log_probs == []  # 0 means none, not the default length
+    assert ray.get(server.last_sampling_params.remote())["max_new_tokens"] == 0
+    out = ray.get(server.generate.remote(list(range(60)), {"max_tokens": 100}, request_id="r4"))
+    assert len(out.token_ids) == 64 - 60 - 1  # bounded by max_model_len
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        ray.get(server.generate.remote([1], {"max_tokens": -1}, request_id="r5"))
+    with pytest.raises(NotImplementedError, match="prompt_logprobs"):
+        ray.get(server.generate.remote([1], {"prompt_logprobs": 0}, request_id="r6"))
+    with pytest.raises(NotImplementedError, match="audio"):
+        ray.get(server.generate.remote([1], {}, request_id="r7", audio_data=[b"x"]))
 
-    kinds = [c[0] for c in ray.get(server.fake_calls.remote())]
-    assert kinds == ["release", "resume", "update_weights", "resume", "generate", "generate", "generate"]
-    calls = ray.get(server.fake_calls.remote())
+    calls = ray.get(server.fake_calls.remote())[calls_before:]
+    assert [c[0] for c in calls] == ["release", "resume", "update_weights", "resume"] + ["generate"] * 5
     assert calls[0] == ("release", ("weights", "kv_cache"))
     assert calls[1] == ("resume", ("weights",)) and calls[3] == ("resume", ("kv_cache",))
     assert calls[2][1:3] == ("flattened_bucket", 1)
@@ -95,3 +278,94 @@ def test_verl_sequence(cluster, monkeypatch):
         asyncio.run(adapter.update_weights(iter([]), peft_config={"r": 8}, base_sync_done=True))
     with pytest.raises(NotImplementedError, match="delta_flush"):
         asyncio.run(adapter.update_weights(iter([]), wire_format="delta_flush"))
+    # a name the model does not have never reaches the engine; the sync is ended as failed
+    with pytest.raises(Exception, match="model.layers.9.mlp.up_proj.weight"):
+        asyncio.run(adapter.update_weights(iter([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))])))
+    assert ray.get(server.read_log.remote())[0][-2:] == ["begin", "finish:False"]
+
+
+def test_partial_rollout_pause(manager):
+    """verl's abort_all_requests / resume_generation: abort what runs, hold (or reject) new requests."""
+    replica, server = manager.get_replicas()[1], manager.server_handles[1]
+    ray.get(server.block_generation.remote(True))
+    running = server.generate.remote([1], {"max_tokens": 2}, request_id="p0")
+    asyncio.run(replica.abort_all_requests())
+    assert ray.get(running, timeout=30).stop_reason == "abort"
+    ray.get(server.block_generation.remote(False))
+    held = server.generate.remote([1], {"max_tokens": 2}, request_id="p1")
+    ready, _ = ray.wait([held], timeout=1.0)
+    assert not ready  # waits behind the pause, as SGLang's paused tokenizer manager does
+    assert ray.get(server.release_kv_cache.remote()) == ["kv_cache"]  # nothing runs: admitted
+    ray.get(server.resume_kv_cache.remote())
+    asyncio.run(replica.resume_generation())
+    assert ray.get(held, timeout=30).token_ids == [2, 3]
+    asyncio.run(replica.abort_all_requests(reject_request=True))
+    with pytest.raises(RuntimeError, match="reject_request=True"):
+        ray.get(server.generate.remote([1], {"max_tokens": 2}, request_id="p2"))
+    asyncio.run(replica.resume_generation())
+    assert ray.get(server.generate.remote([1], {"max_tokens": 1}, request_id="p3")).token_ids == [2]
+
+
+def test_checkpoint_engine_worker_tp2_async_generator(ce_setup, tiny_model):
+    """verl's CheckpointEngineWorker builds the adapter with device_mesh=None before torch.distributed
+    is up and feeds it an async generator; at TP=2 the engine must get 2 payloads per bucket."""
+    from safetensors.torch import load_file
+    from verl.workers.rollout.replica import RolloutMode
+
+    cfg, model, workers = ce_setup
+    # standalone replicas come after the hybrid ones (verl's start_rank), here after the manager's 0 and 1
+    replica = Replica(replica_rank=2, config=cfg, model_config=model, gpus_per_node=2)
+    replica.workers, replica.rollout_mode = workers, RolloutMode.STANDALONE
+    asyncio.run(replica.launch_servers())
+    server = replica.server_handle
+    try:
+        assert ray.get([w.is_leader_rank.remote() for w in workers]) == [True, False]
+        assert ray.get([w.get_replica_rank.remote() for w in workers]) == [2, 2]
+
+        items = sorted(load_file(os.path.join(tiny_model, "model.safetensors")).items())
+        expected = [[(n, float(t.double().sum())) for n, t in b] for b in iter_buckets(items, 1 << 20)]
+        assert len(expected) >= 2
+
+        def sync(per_rank=(None, None), fail_at=(None, None), global_steps=7):
+            ray.get([w.set_weights.remote(per_rank[r] or items, fail_at=fail_at[r]) for r, w in enumerate(workers)])
+            refs = [w.update_weights.remote(global_steps=global_steps) for w in workers]
+            results = []
+            for ref in refs:
+                try:
+                    results.append(ray.get(ref, timeout=120))
+                except ray.exceptions.RayTaskError as e:
+                    results.append(e)
+            return results
+
+        # verl's CheckpointEngineManager.update_weights: abort, release the KV cache, sync, resume
+        asyncio.run(replica.abort_all_requests())
+        asyncio.run(replica.release_kv_cache())
+        assert sync() == [None, None]
+        asyncio.run(replica.resume_kv_cache())
+        asyncio.run(replica.resume_generation())
+
+        log, loaded = ray.get(server.read_log.remote())
+        assert log == ["begin", "finish:True"]
+        updates = [c for c in ray.get(server.fake_calls.remote()) if c[0] == "update_weights"]
+        assert [c[2] for c in updates] == [2] * len(expected)  # one payload per TP rank, every bucket
+        assert loaded == [[b, b] for b in expected]  # both ranks' buckets hold exactly the weights sent
+        out = ray.get(server.generate.remote([1, 2], {"max_tokens": 2}, request_id="x"))
+        assert out.extra_fields["global_steps"] == 7
+
+        # a bad tensor late in the sync (the manifest check): both ranks raise, the engine is told
+        bad = items[:-1] + [(items[-1][0], torch.zeros(3, 3))]
+        results = sync(per_rank=(bad, bad))
+        assert all("SyncValidationError" in str(r) and items[-1][0] in str(r) for r in results), results
+        assert ray.get(server.read_log.remote())[0][-2:] == ["begin", "finish:False"]
+        with pytest.raises(ray.exceptions.RayTaskError, match="did not complete"):
+            ray.get(server.generate.remote([1], {"max_tokens": 1}, request_id="y"))  # mixed weights: refused
+
+        # rank 1's generator fails mid-sync: both ranks raise, nobody hangs
+        results = sync(fail_at=(None, 3))
+        assert "boom" in str(results[1]) and "TP rank 1" in str(results[0]) and "boom" in str(results[0])
+        assert ray.get(server.read_log.remote())[0][-1] == "finish:False"
+
+        assert sync(global_steps=8) == [None, None]  # a complete sync lets generation resume
+        assert ray.get(server.generate.remote([1], {"max_tokens": 1}, request_id="z")).extra_fields["global_steps"] == 8
+    finally:
+        _stop(server)

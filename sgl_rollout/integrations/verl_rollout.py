@@ -2,147 +2,325 @@
 
 Interfaces implemented (verl 0.9.1, read from its source):
 
-* :class:`SglRolloutAdapter` is verl's ``BaseRollout`` (``verl/workers/rollout/base.py``), built in each
-  trainer worker as ``cls(config=..., model_config=..., device_mesh=...)``. verl's
-  ``ActorRolloutRefWorker.update_weights`` (``verl/workers/engine_workers.py``) calls
-  ``resume(["weights"])`` (skipped when ``sleep_level == 1``), ``update_weights(gen, peft_config=,
-  base_sync_done=, global_steps=)``, offloads the actor, then ``resume(["kv_cache"])``: the staged wake.
+* :class:`SglRolloutAdapter` is verl's ``BaseRollout`` (``verl/workers/rollout/base.py``). verl builds it
+  in two places:
+
+  - in each hybrid trainer worker (``verl/workers/engine_workers.py``) as
+    ``cls(config=..., model_config=..., device_mesh=...)`` with an ``infer_tp`` mesh dimension; its
+    ``update_weights`` calls ``resume(["weights"])`` (skipped when ``sleep_level == 1``),
+    ``update_weights(gen, peft_config=, base_sync_done=, global_steps=)``, offloads the actor, then
+    ``resume(["kv_cache"])``: the staged wake;
+  - in each ``CheckpointEngineWorker`` (``verl/checkpoint_engine/base.py``; standalone and colocated
+    replicas, ``checkpoint_engine.backend`` other than ``naive``) as
+    ``cls(config=, model_config=, device_mesh=None, replica_rank=)`` *before* torch.distributed is
+    initialised, with ``update_weights(async generator, global_steps=, wire_format=)`` and reads of
+    ``is_leader_rank`` and ``replica_rank``. Without a mesh the TP group is made on the first weight
+    sync: consecutive global ranks, as verl lays replicas out.
+
 * :class:`SglRolloutReplica` is verl's ``RolloutReplica`` (``verl/workers/rollout/replica.py``): its
   ``launch_servers`` starts one :class:`VerlRolloutServer` actor per replica on the node of its
-  trainer workers, with :mod:`sgl_rollout.ray`'s ``runtime_env``.
-* :class:`VerlRolloutServer` adds to :class:`sgl_rollout.ray.RolloutServer` the methods verl's
-  replica and ``LLMServerClient`` (``verl/workers/rollout/llm_server.py``) call: ``generate`` returning
-  ``TokenOutput``, ``abort_all_requests``, ``resume_generation``, ``clear_kv_cache``,
-  ``release_kv_cache``, ``resume_kv_cache``, ``start_profile``, ``stop_profile``,
+  workers, with :mod:`sgl_rollout.ray`'s ``runtime_env``.
+* :class:`VerlRolloutServer` adds to :class:`sgl_rollout.ray.RolloutServer` what verl's replica,
+  ``LLMServerClient`` (``verl/workers/rollout/llm_server.py``) and ``CheckpointEngineManager`` call:
+  ``generate`` returning ``TokenOutput``, ``abort_all_requests``, ``resume_generation``,
+  ``clear_kv_cache``, ``release_kv_cache``, ``resume_kv_cache``, ``start_profile``, ``stop_profile``,
   ``get_server_address``, ``set_global_steps``.
 
-Not supported yet (raise NotImplementedError with this message): multi-node replicas, LoRA adapter
-sync (``peft_config`` with ``base_sync_done``), ``wire_format="delta_flush"``, image and video inputs.
+Server addresses: verl keys its request load balancer (``verl/workers/rollout/router.py``) and its
+metrics by ``server_address``, so every replica needs its own. Each server actor reserves a free TCP
+port on its node (bound, never listening) and reports ``"<node-ip>:<port>"``: unique per node and
+stable for the actor's life. There is no HTTP server behind it (verl's token-in/token-out path calls
+the actor, not HTTP): a connection to it is refused at once. The verl features that need HTTP
+(GenRM's reward router, Prometheus, rl-insight metrics) are refused at start-up instead.
+
+Not supported (refused at start-up with the verl key to change, :mod:`.verl_config`): multi-node
+replicas, LoRA served as an adapter, ``checkpoint_engine.backend=delta_sharded``, prefill/decode
+disaggregation, MTP rollout, routing replay, generative reward models, distillation teachers (prompt
+log-probabilities), image/audio/video inputs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import ipaddress
 import logging
 import os
-from typing import Any, List, Optional
+import socket
+import threading
+from collections.abc import Mapping
+from typing import Any, List, Optional, Tuple
 
 import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from ..config import RolloutConfig
-from ..engine import _req
 from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, aggressive_empty_cache
 from ..ray import RolloutServer, launch_rollout_server, merge_visible_devices
 from ..weight_sync import BucketStream
+from .verl_config import (
+    ROLLOUT_PREFIX,
+    VERL_BUILTIN,
+    UnsupportedVerlFeature,
+    _get,
+    check_verl_features,
+    fp8_quant_config,
+    max_position_embeddings,
+    model_path_of,
+    resolve_local_model,
+    rollout_config_from_verl,
+    with_fp8_override,
+)
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "SglRolloutAdapter",
+    "SglRolloutReplica",
+    "UnsupportedVerlFeature",
+    "VerlRolloutServer",
+    "rollout_config_from_verl",
+    "server_name",
+]
 
-def server_name(replica_rank: int, node_rank: int = 0) -> str:
-    """Ray actor name of a replica's engine server."""
-    return f"sgl_rollout_server_{replica_rank}_{node_rank}"
+#: Replica roles (verl's ``is_reward_model`` / ``is_teacher_model`` flags) -> name part.
+ROLES = ("rollout", "reward", "teacher")
 
 
-def _get(cfg, key, default=None):
-    try:
-        return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    except Exception:  # noqa: BLE001 - verl's BaseConfig raises on some missing keys
-        return default
+def server_name(replica_rank: int, node_rank: int = 0, role: str = "rollout", name_suffix: str = "") -> str:
+    """Ray actor name of a replica's engine server.
 
-
-def rollout_config_from_verl(cfg, model_path: str) -> RolloutConfig:
-    """Map verl's rollout config (``verl/workers/config/rollout.py``) to :class:`RolloutConfig`.
-
-    TP size is verl's ``tensor_model_parallel_size * data_parallel_size`` (verl's own SGLang server
-    does the same); the bucket size comes from ``checkpoint_engine.update_weights_bucket_megabytes``;
-    ``engine_kwargs.sglang`` passes through.
+    Unique across what verl starts in one job: the replica rank, the node rank, the role (``"rollout"``,
+    ``"reward"`` for a GenRM replica, ``"teacher"`` for a distillation teacher) and verl's
+    ``name_suffix`` (a teacher's key), as verl names its own servers (``sglang_server_reward_{rank}_{node}``,
+    ``verl/workers/rollout/sglang_rollout/async_sglang_server.py``).
 
     Raises:
-        pydantic.ValidationError: a value out of range or an unknown SGLang key.
+        ValueError: unknown role.
     """
-    engine_kwargs = dict(_get(_get(cfg, "engine_kwargs", {}) or {}, "sglang", {}) or {})
-    engine_kwargs.setdefault("skip_tokenizer_init", bool(_get(cfg, "skip_tokenizer_init", True)))
-    ce = _get(cfg, "checkpoint_engine", None)
-    bucket_mb = _get(ce, "update_weights_bucket_megabytes", None) if ce is not None else None
-    kwargs = dict(
-        model_path=model_path,
-        dtype=_get(cfg, "dtype", "bfloat16"),
-        tensor_model_parallel_size=int(_get(cfg, "tensor_model_parallel_size", 1)) * int(_get(cfg, "data_parallel_size", 1) or 1),
-        gpu_memory_utilization=float(_get(cfg, "gpu_memory_utilization", 0.5)),
-        free_cache_engine=bool(_get(cfg, "free_cache_engine", True)),
-        enforce_eager=bool(_get(cfg, "enforce_eager", False)),
-        max_num_seqs=_get(cfg, "max_num_seqs", None),
-        load_format=_get(cfg, "load_format", "dummy") or "auto",
-        engine_kwargs=engine_kwargs,
-    )
-    if bucket_mb:
-        kwargs["update_weights_bucket_megabytes"] = int(bucket_mb)
-    return RolloutConfig(**kwargs)
+    if role not in ROLES:
+        raise ValueError(f"unknown replica role {role!r}; one of {ROLES}")
+    kind = "" if role == "rollout" else f"{role}_"
+    suffix = f"_{name_suffix.lstrip('_')}" if name_suffix else ""
+    return f"sgl_rollout_server_{kind}{replica_rank}_{node_rank}{suffix}"
 
 
-def _model_path(model_config) -> str:
-    return _get(model_config, "local_path", None) or _get(model_config, "path")
+def format_address(host: str, port: int) -> str:
+    """``"host:port"``, or ``"[host]:port"`` for an IPv6 host (verl's form)."""
+    host = host.strip("[]")
+    try:
+        v6 = ipaddress.ip_address(host).version == 6
+    except ValueError:
+        v6 = False
+    return f"[{host}]:{port}" if v6 else f"{host}:{port}"
 
 
+def reserve_port(host: str = "") -> Tuple[socket.socket, int]:
+    """Bind a TCP socket to a free port (not listening: connections to it are refused).
+
+    Keep the socket open to keep the port: no other process can bind it meanwhile.
+
+    Returns:
+        (socket, port).
+    """
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.bind(("", 0))
+    return sock, sock.getsockname()[1]
+
+
+# ======================================================================= server actor
 class VerlRolloutServer(RolloutServer):
-    """The engine actor, with the methods verl's replica and server client call.
+    """The engine actor, with the methods verl's replica, server client and checkpoint manager call.
 
     Args:
-        config: rollout settings (dict or :class:`RolloutConfig`).
-        max_model_len: context length; a request's default ``max_new_tokens`` is bounded by it.
+        config: rollout settings (dict or :class:`~sgl_rollout.config.RolloutConfig`).
+        max_model_len: context length in tokens; None: the model's ``max_position_embeddings`` once
+            the model config is resolved (verl's default), else unbounded.
         response_length: default ``max_new_tokens`` (verl's ``rollout.response_length``).
+        prompt_length: verl's ``rollout.prompt_length``; the default ``max_new_tokens`` is also bounded
+            by ``prompt_length + response_length - len(prompt)``, as in verl's server. None: no bound.
+        model_config: verl's model config; resolved to a local folder on this node at :meth:`start`
+            (:func:`~.verl_config.resolve_local_model`). None: ``config.model_path`` as it is.
+        rollout_mode: verl's ``RolloutMode`` value, for logs.
     """
 
-    def __init__(self, config, max_model_len: Optional[int] = None, response_length: int = 512):
+    def __init__(self, config, max_model_len: Optional[int] = None, response_length: int = 512,
+                 prompt_length: Optional[int] = None, model_config=None, rollout_mode: Optional[str] = None):
         super().__init__(config)
         self.max_model_len = max_model_len
         self.response_length = response_length
+        self.prompt_length = prompt_length
+        self.rollout_mode = rollout_mode
+        self._model_config = model_config
+        self._model_resolved = model_config is None
+        self._host = ray.util.get_node_ip_address().strip("[]")
+        self._port_sock, self._port = reserve_port(self._host)
+        self._accepting: Optional[asyncio.Event] = None
+        self._reject = False
 
-    async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None,
-                       video_data=None, **kwargs) -> TokenOutput:
-        """One request, as ``LLMServerClient.generate`` sends it; returns verl's ``TokenOutput``.
+    # -------------------------------------------------------------- start-up
+    def _resolve_model(self) -> None:
+        """Local model folder on this node, its context length, FP8 overrides (once)."""
+        if self._model_resolved:
+            return
+        local_path, hf_config = resolve_local_model(self._model_config)
+        if local_path:
+            self.config.model_path = local_path
+        if self.config.engine_kwargs.get("quantization") == "fp8" and hf_config is not None:
+            self.config.engine_kwargs = with_fp8_override(self.config.engine_kwargs, hf_config)
+        limit = max_position_embeddings(hf_config)
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif limit is not None and self.max_model_len > limit:
+            raise ValueError(f"{ROLLOUT_PREFIX}.max_model_len={self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}; lower it or leave it null")
+        self._model_resolved = True
 
-        ``sampling_params`` may hold ``max_new_tokens`` or vLLM-style ``max_tokens`` and ``logprobs``
-        (bool); other keys go to SGLang as they are.
+    async def start(self) -> List[str]:
+        """Resolve the model's local folder on this node (hdfs copy, ``use_shm``), then start the engine.
+
+        Idempotent, as :meth:`RolloutServer.start`.
 
         Raises:
-            NotImplementedError: image or video input.
-            ValueError: the prompt does not fit the context.
+            ValueError: ``max_model_len`` exceeds the model's ``max_position_embeddings``.
         """
-        if image_data or video_data:
-            raise NotImplementedError("sgl-rollout does not take image or video inputs yet")
-        params = dict(sampling_params)
-        return_logprob = bool(params.pop("logprobs", False))
-        max_new_tokens, max_tokens = params.pop("max_new_tokens", None), params.pop("max_tokens", None)
-        max_new = max_new_tokens or max_tokens or self.response_length
-        if self.max_model_len:
-            room = self.max_model_len - len(prompt_ids) - 1
-            if room < 0:
-                raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds max_model_len={self.max_model_len}")
-            max_new = min(max_new, room)
-        params["max_new_tokens"] = max_new
-        ids = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
-        gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob))[0][0]
-        return TokenOutput(token_ids=gen.output_ids, log_probs=gen.logprobs if return_logprob else None,
-                           stop_reason=gen.finish_reason, extra_fields={"global_steps": self.global_steps})
+        if self.worker is None:
+            self._resolve_model()
+        return await super().start()
 
-    async def abort_all_requests(self, reject_request: bool = False) -> None:
-        """Abort running requests (SGLang ``pause_generation(mode="abort")``)."""
-        await self._engine._engine.tokenizer_manager.pause_generation(_req("PauseGenerationReqInput", mode="abort"))
+    async def model_path(self) -> str:
+        """The model folder the engine was started with."""
+        return self.config.model_path
+
+    async def get_server_address(self) -> Tuple[str, int]:
+        """``(node ip, port)``: the port this actor reserved, unique on its node (no HTTP behind it)."""
+        return self._host, self._port
+
+    # -------------------------------------------------------------- admission
+    def _gate(self) -> asyncio.Event:
+        if self._accepting is None:
+            self._accepting = asyncio.Event()
+            self._accepting.set()
+        return self._accepting
+
+    async def _admit(self) -> None:
+        gate = self._gate()
+        if gate.is_set():
+            return
+        if self._reject:
+            raise RuntimeError("this replica's generation is paused with reject_request=True "
+                               "(abort_all_requests); send the request to another replica")
+        await gate.wait()
+
+    # -------------------------------------------------------------- generation
+    def _max_new_tokens(self, params: dict, prompt_len: int) -> int:
+        max_new_tokens, max_tokens = params.pop("max_new_tokens", None), params.pop("max_tokens", None)
+        value = max_new_tokens if max_new_tokens is not None else max_tokens  # vLLM's key is dropped either way
+        if value is None:
+            value = self.response_length
+            if self.prompt_length:
+                value = min(value, self.prompt_length + self.response_length - prompt_len)
+            value = max(value, 0)
+        else:
+            value = int(value)
+            if value < 0:
+                raise ValueError(f"max_new_tokens must be >= 0, got {value}")
+        if self.max_model_len:
+            room = self.max_model_len - prompt_len - 1
+            if room < 0:
+                raise ValueError(f"prompt of {prompt_len} tokens exceeds max_model_len={self.max_model_len}")
+            value = min(value, room)
+        return value
+
+    async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None,
+                       video_data=None, audio_data=None, mm_processor_kwargs=None, **kwargs) -> TokenOutput:
+        """One request, as ``LLMServerClient.generate`` sends it; returns verl's ``TokenOutput``.
+
+        Args:
+            prompt_ids: prompt token ids (list, tensor or array of ints).
+            sampling_params: SGLang sampling params, plus verl's ``logprobs`` (bool: return each
+                generated token's log-probability) and ``max_new_tokens`` or vLLM-style ``max_tokens``
+                (``max_new_tokens`` wins and ``max_tokens`` never reaches SGLang). Without either,
+                ``min(response_length, prompt_length + response_length - len(prompt))`` (verl's
+                default). 0 generates nothing. Every count is bounded by ``max_model_len``.
+            request_id: verl's request id (for logs; SGLang gets its own).
+
+        Returns:
+            ``TokenOutput`` with ``token_ids``, ``log_probs`` (None unless ``logprobs``),
+            ``stop_reason`` (SGLang's finish reason: ``"length"``, ``"stop"``, ``"abort"``) and
+            ``extra_fields["global_steps"]``: the trainer step whose weights the engine holds. A
+            request arriving while :meth:`abort_all_requests` paused generation waits for
+            :meth:`resume_generation` (SGLang's behaviour), or fails with ``reject_request=True``.
+
+        Raises:
+            NotImplementedError: image, video or audio input, ``prompt_logprobs`` (verl's
+                distillation teacher), or any other argument this server does not serve.
+            ValueError: negative ``max_new_tokens``, or the prompt does not fit the context.
+            RuntimeError: paused with ``reject_request=True``.
+            MemoryStateError, EngineDeadError, EngineClosedError: from the engine, unchanged.
+        """
+        if image_data or video_data or audio_data or mm_processor_kwargs:
+            raise NotImplementedError("sgl-rollout does not take image, video or audio inputs yet; "
+                                      f"use {VERL_BUILTIN} for multimodal rollouts")
+        extra = sorted(k for k, v in kwargs.items() if v is not None)
+        if extra:
+            raise NotImplementedError(f"sgl-rollout's generate does not take {extra}")
+        params = dict(sampling_params)
+        if params.pop("prompt_logprobs", None) is not None:
+            raise NotImplementedError("prompt_logprobs (verl's distillation teacher) are not returned by sgl-rollout; "
+                                      f"use {VERL_BUILTIN} for the teacher")
+        return_logprob = bool(params.pop("logprobs", False))
+        ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
+        params["max_new_tokens"] = self._max_new_tokens(params, len(ids))
+        await self._admit()
+        gen = (await self.generate_batch([ids], params, n=1, return_logprob=return_logprob))[0][0]
+        token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
+        if return_logprob and len(log_probs) != len(token_ids):
+            # SGLang can report a logprob without a token (max_new_tokens=0) or none on an abort;
+            # verl's server then returns neither, and so does this one.
+            logger.error("request %s: %d logprobs for %d tokens; returning none of either",
+                         request_id, len(log_probs), len(token_ids))
+            token_ids, log_probs = [], []
+        return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=gen.finish_reason,
+                           extra_fields={"global_steps": self.global_steps})
+
+    async def abort_all_requests(self, reject_request: bool = False, timeout_s: float = 60.0) -> None:
+        """Pause generation and abort what runs (verl's partial rollout, before a checkpoint-engine sync).
+
+        Aborted requests return with ``stop_reason="abort"`` and what they generated so far. New
+        requests wait until :meth:`resume_generation`, or fail at once when ``reject_request``. Returns
+        once no request runs in the engine, so a release or weight sync that follows is admitted.
+
+        Raises:
+            TimeoutError: requests still run after ``timeout_s`` seconds.
+            EngineDeadError, EngineClosedError: from the engine.
+        """
+        self._reject = bool(reject_request)
+        self._gate().clear()
+        self._engine.abort_all()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._engine.state.in_flight:
+            if loop.time() > deadline:
+                raise TimeoutError(f"{self._engine.state.in_flight} request(s) still run {timeout_s} s after abort")
+            await asyncio.sleep(0.005)
 
     async def resume_generation(self) -> None:
-        """Let requests run again after :meth:`abort_all_requests`."""
-        await self._engine._engine.tokenizer_manager.continue_generation(_req("ContinueGenerationReqInput"))
+        """Let requests run again after :meth:`abort_all_requests` (waiting ones start now)."""
+        self._reject = False
+        self._gate().set()
 
     async def clear_kv_cache(self) -> None:
-        """Drop the prefix cache."""
+        """Drop the prefix cache (nothing to drop while the KV cache is released)."""
         await self.flush_cache()
 
     async def release_kv_cache(self) -> List[str]:
-        """Release the KV cache (and CUDA-graph memory) if resident, keeping the weights."""
+        """Release the KV cache (and CUDA-graph memory) if resident, keeping the weights; nothing when
+        ``free_cache_engine`` is False (verl's server does the same)."""
+        if not self.config.free_cache_engine:
+            return []
         released = set(self._engine.state.released)
         tags = [t for t in (KV_CACHE, CUDA_GRAPH) if t in self._engine.tags and t not in released]
         return await self._engine.async_release(tags) if tags else []
@@ -152,34 +330,75 @@ class VerlRolloutServer(RolloutServer):
         return await self.resume_stage(KV_CACHE)
 
     async def start_profile(self, **kwargs) -> None:
-        """Profiling is not wired yet; logged and ignored."""
-        logger.warning("sgl-rollout: start_profile is not supported; ignored")
+        """No-op, as verl's SGLang server outside discrete profiling (which is refused at start-up)."""
 
     async def stop_profile(self) -> None:
         """See :meth:`start_profile`."""
 
-    async def get_server_address(self):
-        """(ip, port) of this actor; there is no HTTP server, so the port is 0."""
-        return ray.util.get_node_ip_address(), 0
+    async def shutdown(self) -> None:
+        """Stop the engine's processes and give the reserved port back."""
+        try:
+            await super().shutdown()
+        finally:
+            self._port_sock.close()
 
 
+# ======================================================================= replica
 class SglRolloutReplica(RolloutReplica):
     """verl ``RolloutReplica`` whose server is a :class:`VerlRolloutServer` actor (one node).
 
+    Refuses at construction (verl builds replicas before any resources) what sgl-rollout does not
+    serve: generative reward models (their router posts HTTP to each replica), distillation teachers
+    (prompt log-probabilities), rl-insight metrics (HTTP), and the rollout features of
+    :func:`~.verl_config.check_verl_features`.
+
     Attributes:
         server_class: the actor body; a subclass may swap it (tests use an engine double).
+
+    Raises:
+        UnsupportedVerlFeature: on construction, naming the verl key to change.
     """
 
     server_class = VerlRolloutServer
+
+    def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 8,
+                 is_reward_model: bool = False, is_teacher_model: bool = False, name_suffix: str = ""):
+        super().__init__(replica_rank, config, model_config, gpus_per_node, is_reward_model, is_teacher_model,
+                         name_suffix)
+        self.role = "reward" if is_reward_model else "teacher" if is_teacher_model else "rollout"
+        self._name_suffix = name_suffix
+        if is_reward_model:
+            raise UnsupportedVerlFeature(
+                "reward.reward_model.rollout.name='sglang': verl's reward router sends HTTP requests to every "
+                "generative reward model replica and sgl-rollout serves no HTTP; use "
+                f"reward.reward_model.rollout.name=vllm, or {VERL_BUILTIN}")
+        if is_teacher_model:
+            raise UnsupportedVerlFeature(
+                "distillation.teacher_models.<teacher>.inference.name='sglang': the teacher needs prompt "
+                "log-probabilities, which sgl-rollout does not return; set that inference.name=vllm, or "
+                f"{VERL_BUILTIN}")
+        if os.environ.get("VERL_RL_INSIGHT_ENABLE") == "1":
+            raise UnsupportedVerlFeature(
+                "VERL_RL_INSIGHT_ENABLE=1: rl-insight scrapes rollout metrics over HTTP from each replica's "
+                f"address and sgl-rollout serves no HTTP; unset it, or {VERL_BUILTIN}")
+        check_verl_features(self.config, self.model_config)
+
+    @property
+    def name(self) -> str:
+        """Ray actor name of this replica's server (:func:`server_name`)."""
+        return server_name(self.replica_rank, 0, self.role, self._name_suffix)
 
     async def launch_servers(self):
         """Start the engine actor on the node of this replica's workers, on the GPUs they use.
 
         Raises:
-            NotImplementedError: the replica spans several nodes.
+            UnsupportedVerlFeature: the replica spans several nodes.
         """
         if self.nnodes > 1:
-            raise NotImplementedError("sgl-rollout runs one replica on one node; lower TP or use verl's built-in")
+            raise UnsupportedVerlFeature(
+                f"{ROLLOUT_PREFIX}.tensor_model_parallel_size*data_parallel_size={self.world_size} > "
+                f"{self.gpus_per_node} GPUs per node: sgl-rollout runs a replica on one node; lower TP, or "
+                f"{VERL_BUILTIN}")
         infos = await asyncio.gather(*[
             w.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(),
                                                 os.environ.get("CUDA_VISIBLE_DEVICES", ""),
@@ -187,55 +406,158 @@ class SglRolloutReplica(RolloutReplica):
             for w in self.workers
         ])
         devices = merge_visible_devices([cvd or ",".join(gpus) for _node, cvd, gpus in infos])
-        cfg = rollout_config_from_verl(self.config, _model_path(self.model_config))
-        server = launch_rollout_server(cfg, devices, node_id=infos[0][0], name=server_name(self.replica_rank),
+        mode = self.rollout_mode.value if self.rollout_mode is not None else None
+        cfg = rollout_config_from_verl(self.config, model_path_of(self.model_config), model_config=self.model_config,
+                                       rollout_mode=mode)
+        server = launch_rollout_server(cfg, devices, node_id=infos[0][0], name=self.name,
                                        max_concurrency=self.max_concurrency,
-                                       actor_cls=_bind_server(self.server_class, self.config))
-        await server.start.remote()
-        ip, port = await server.get_server_address.remote()
+                                       actor_cls=_bind_server(self.server_class, self.config, self.model_config, mode))
         self.servers = [server]
         self._server_handle = server
-        self._server_address = f"{ip}:{port}"
-        logger.info("sgl-rollout replica %d: engine on GPUs %s of node %s", self.replica_rank, devices, infos[0][0])
+        await server.start.remote()
+        ip, port = await server.get_server_address.remote()
+        self._server_address = format_address(ip, port)
+        logger.info("sgl-rollout replica %d (%s): engine %s on GPUs %s of node %s, address %s", self.replica_rank,
+                    mode, self.name, devices, infos[0][0], self._server_address)
 
 
-def _bind_server(cls, verl_cfg):
-    """Subclass of ``cls`` whose constructor also gets verl's length limits."""
-    max_model_len = _get(verl_cfg, "max_model_len", None)
-    response_length = int(_get(verl_cfg, "response_length", 512) or 512)
+def _plain_model_config(model_config):
+    """A DictConfig node resolved into a plain dict (its interpolations need the root config, which
+    stays in the driver); anything else as it is."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(model_config, DictConfig):
+        return OmegaConf.to_container(model_config, resolve=True)
+    return model_config
+
+
+def _bind_server(cls, verl_cfg, model_config=None, rollout_mode: Optional[str] = None):
+    """Subclass of ``cls`` whose constructor also gets verl's length limits and model config."""
+    settings = dict(
+        max_model_len=_get(verl_cfg, "max_model_len", None),
+        response_length=int(_get(verl_cfg, "response_length", 512) or 512),
+        prompt_length=_get(verl_cfg, "prompt_length", None),
+        model_config=_plain_model_config(model_config),
+        rollout_mode=rollout_mode,
+    )
 
     class _Bound(cls):
         def __init__(self, config):
-            super().__init__(config, max_model_len=max_model_len, response_length=response_length)
+            super().__init__(config, **settings)
 
     _Bound.__name__ = cls.__name__
+    _Bound.__qualname__ = cls.__qualname__
     return _Bound
 
 
-class SglRolloutAdapter(BaseRollout):
-    """verl ``BaseRollout`` living in each trainer worker; talks to the replica's engine actor.
+# ======================================================================= in-worker adapter
+_UNSET = object()
+_ERR = "__sgl_rollout_error__"
+_DONE, _LOAD = "done", "load"
 
-    The TP leader (rank 0 of the ``infer_tp`` mesh dimension) makes the calls; every rank flattens its
-    buckets on its own GPU and the leader gathers one payload per TP rank.
+
+class _AsyncToSyncIterator:
+    """A sync iterator over an async iterator that runs on ``loop``; used from another thread only."""
+
+    def __init__(self, aiterator, loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread):
+        self._it, self._loop, self._loop_thread = aiterator, loop, loop_thread
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if threading.current_thread() is self._loop_thread:
+            raise RuntimeError("_AsyncToSyncIterator used on its own event loop's thread (would deadlock)")
+
+        async def step():
+            return await self._it.__anext__()
+
+        try:
+            return asyncio.run_coroutine_threadsafe(step(), self._loop).result()
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+
+async def _renamed_async(weights):
+    async for name, tensor in weights:
+        yield name.replace(".base_layer.", "."), tensor
+
+
+async def _checked_fp8(helper, quantized):
+    """verl's FP8 quantizer yields a weight unquantized when quantizing it fails (logged only): that
+    bf16 tensor would be loaded into an FP8 layer. Refuse it instead."""
+    async for name, tensor in quantized:
+        if helper.should_quantize_param(name) and tensor.element_size() != 1:
+            raise RuntimeError(f"FP8 quantization of {name} failed (verl's quantizer returned it as {tensor.dtype}); "
+                               "see the error verl logged just before (torch.distributed must be initialised)")
+        yield name, tensor
+
+
+async def _aclose(named) -> None:
+    """Close a (possibly half-consumed) async generator; never raises."""
+    if hasattr(named, "aclose"):
+        try:
+            await named.aclose()
+        except Exception:  # noqa: BLE001 - closing must not mask the sync's own outcome
+            logger.debug("closing the weights generator failed", exc_info=True)
+
+
+def _renamed_sync(weights):
+    for name, tensor in weights:
+        yield name.replace(".base_layer.", "."), tensor
+
+
+class SglRolloutAdapter(BaseRollout):
+    """verl ``BaseRollout`` living in each trainer (or checkpoint-engine) worker; talks to the replica's
+    engine actor.
+
+    The TP leader (TP rank 0) makes the calls; every TP rank flattens its buckets on its own GPU and
+    the leader gathers one payload per TP rank for each bucket. TP ranks come from the ``infer_tp``
+    dimension of ``device_mesh``, or without one from the global rank: ranks ``[k*T, (k+1)*T)`` form
+    replica ``k``'s TP group of size ``T = tensor_model_parallel_size * data_parallel_size`` (verl's
+    layout), created with ``torch.distributed.new_group`` on the first weight sync.
+
+    Args:
+        config: verl's rollout config.
+        model_config: verl's model config (``HFModelConfig``, or a config verl converts to one).
+        device_mesh: verl's rollout mesh with an ``infer_tp`` dimension, or None.
+        replica_rank: the replica this worker belongs to; -1: ``RANK // T``.
 
     Attributes:
         sleep_level: read by verl's trainer (2: weights and KV cache are released).
+        replica_rank: read by verl's ``CheckpointEngineWorker.get_replica_rank``.
+        tp_rank: this worker's TP rank in its replica.
+
+    Raises:
+        UnsupportedVerlFeature: a verl feature sgl-rollout refuses (see :mod:`.verl_config`).
     """
 
     def __init__(self, config, model_config, device_mesh=None, *args, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
-        self.rollout_config = rollout_config_from_verl(self.config, _model_path(self.model_config))
+        self.rollout_config = rollout_config_from_verl(self.config, model_path_of(self.model_config),
+                                                       model_config=self.model_config)
         self.sleep_level = self.rollout_config.sleep_level
-        tp = self.rollout_config.tensor_model_parallel_size
+        self.tp_size = self.rollout_config.tensor_model_parallel_size
         rank = int(os.environ.get("RANK", "0"))
-        self.replica_rank = replica_rank if replica_rank >= 0 else rank // tp
+        self.replica_rank = replica_rank if replica_rank is not None and replica_rank >= 0 else rank // self.tp_size
+        self._tp_group = None
         if device_mesh is not None and "infer_tp" in (device_mesh.mesh_dim_names or ()):
             self.tp_rank = device_mesh["infer_tp"].get_local_rank()
             self._tp_group = device_mesh["infer_tp"].get_group()
         else:
-            self.tp_rank, self._tp_group = rank % tp, None
+            self.tp_rank = rank % self.tp_size
+        self._fp8 = _get(self.config, "quantization", None) == "fp8"
+        self._manifest = _UNSET
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._server = None
-        logger.info("rollout.name=sglang answered by sgl-rollout (replica %d, TP rank %d)", self.replica_rank, self.tp_rank)
+        logger.info("rollout.name=sglang answered by sgl-rollout (replica %d, TP rank %d of %d)",
+                    self.replica_rank, self.tp_rank, self.tp_size)
+
+    @property
+    def is_leader_rank(self) -> bool:
+        """True on TP rank 0 of the replica: the rank that calls the engine actor (read by verl's
+        ``CheckpointEngineWorker.is_leader_rank``)."""
+        return self.tp_rank == 0
 
     @property
     def server(self):
@@ -244,10 +566,57 @@ class SglRolloutAdapter(BaseRollout):
             self._server = ray.get_actor(server_name(self.replica_rank))
         return self._server
 
-    def _barrier(self):
+    # -------------------------------------------------------------- TP group
+    def _ensure_tp_group(self) -> None:
+        """Make the TP group from global ranks when verl gave no mesh (collective over all ranks).
+
+        Raises:
+            RuntimeError: TP size > 1 and torch.distributed is not initialised.
+            ValueError: the world size is not a multiple of the TP size.
+        """
+        if self._tp_group is not None or self.tp_size == 1:
+            return
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"TP size {self.tp_size} without a device mesh needs torch.distributed initialised "
+                               "(verl's CheckpointEngineWorker does it) to gather one payload per TP rank")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % self.tp_size:
+            raise ValueError(f"world size {world} is not a multiple of the rollout TP size {self.tp_size}")
+        mine = None
+        for start in range(0, world, self.tp_size):  # every rank makes every group, in the same order
+            group = dist.new_group(ranks=list(range(start, start + self.tp_size)))
+            if start <= rank < start + self.tp_size:
+                mine = group
+        if rank % self.tp_size != self.tp_rank:
+            logger.warning("TP rank from RANK (%d) differs from torch.distributed's (%d); using the latter",
+                           self.tp_rank, rank % self.tp_size)
+        self.tp_rank, self._tp_group = rank % self.tp_size, mine
+
+    def _leader_global_rank(self) -> int:
+        return torch.distributed.get_global_rank(self._tp_group, 0)
+
+    def _gather(self, payload) -> Optional[List[Any]]:
+        """Every TP rank's object at the leader (None elsewhere)."""
+        if self._tp_group is None or self.tp_size == 1:
+            return [payload]
+        out = [None] * self.tp_size if self.is_leader_rank else None
+        torch.distributed.gather_object(payload, out, dst=self._leader_global_rank(), group=self._tp_group)
+        return out
+
+    def _broadcast(self, status):
+        """The leader's ``status`` on every TP rank."""
+        if self._tp_group is None or self.tp_size == 1:
+            return status
+        box = [status]
+        torch.distributed.broadcast_object_list(box, src=self._leader_global_rank(), group=self._tp_group)
+        return box[0]
+
+    def _barrier(self) -> None:
         if self._tp_group is not None:
             torch.distributed.barrier(group=self._tp_group)
 
+    # -------------------------------------------------------------- memory
     async def resume(self, tags: List[str]):
         """Resume a stage of the staged wake: ``["weights"]`` or ``["kv_cache"]``.
 
@@ -259,51 +628,186 @@ class SglRolloutAdapter(BaseRollout):
         if KV_CACHE in tags:
             aggressive_empty_cache()
             self._barrier()
-        if self.tp_rank == 0:
+        if self.is_leader_rank:
             for stage in (WEIGHTS, KV_CACHE):
                 if stage in tags:
                     await self.server.resume_stage.remote(stage)
 
     async def release(self):
         """Release per ``sleep_level`` (weights and KV cache at level 2)."""
-        if self.rollout_config.free_cache_engine and self.tp_rank == 0:
+        if self.rollout_config.free_cache_engine and self.is_leader_rank:
             await self.server.sleep.remote()
+
+    # -------------------------------------------------------------- weight sync
+    def _sync_manifest(self):
+        """The model's :class:`~sgl_rollout.weight_sync.manifest.WeightManifest`, built once; None when
+        validation is off, the weights are FP8-quantized on the way (their names and dtypes differ from
+        the checkpoint's), or it cannot be built (logged once)."""
+        if self._manifest is _UNSET:
+            self._manifest = None
+            if self._fp8 or not self.rollout_config.validate_sync:
+                return None
+            path = model_path_of(self.model_config)
+            try:
+                from ..weight_sync.manifest import WeightManifest
+
+                self._manifest = WeightManifest.from_pretrained(
+                    path, trust_remote_code=bool(_get(self.model_config, "trust_remote_code", False)))
+            except Exception as exc:  # noqa: BLE001 - a sync without validation beats no sync
+                logger.warning("no weight manifest for %s (%r): weight syncs are not validated", path, exc)
+        return self._manifest
+
+    def _named_tensors(self, weights):
+        """``weights`` with LoRA ``.base_layer.`` names folded, FP8-quantized when configured; a sync
+        or an async iterator as ``weights`` (and the quantizer) make it."""
+        weights = _renamed_async(weights) if hasattr(weights, "__aiter__") else _renamed_sync(weights)
+        if self._fp8:
+            from verl.utils.sglang.sglang_fp8_utils import SGLangFP8QuantizerHelper
+
+            hf_config = _get(self.model_config, "hf_config", None)
+            dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.bfloat16
+            if isinstance(dtype, str):
+                dtype = getattr(torch, dtype)
+            helper = SGLangFP8QuantizerHelper(fp8_quant_config(hf_config))
+            weights = _checked_fp8(helper, helper.quant_weights_by_name(weights, dtype=dtype))
+        return weights
+
+    def _bucket_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+            def init():
+                if device is not None:
+                    torch.cuda.set_device(device)
+
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="sgl-rollout-buckets", initializer=init)
+        return self._executor
+
+    def _payload_source(self, named) -> Tuple[BucketStream, Any]:
+        """A BucketStream over ``named`` and an async ``next_payload()`` for it.
+
+        A sync iterator is bucketed on this thread (verl's generators may run collectives that must stay
+        on it). An async one is bucketed on a helper thread that pulls each item from this event loop,
+        so the stream may read ahead as far as it needs (the manifest check reads to the end on a bad
+        tensor) while the loop keeps running the generator.
+        """
+        kwargs = dict(manifest=self._sync_manifest(), partial=False)
+        if not hasattr(named, "__aiter__"):
+            stream = BucketStream(named, self.rollout_config.bucket_bytes, **kwargs)
+
+            async def next_sync():
+                return stream.next_payload()
+
+            return stream, next_sync
+        loop = asyncio.get_running_loop()
+        stream = BucketStream(_AsyncToSyncIterator(named, loop, threading.current_thread()),
+                              self.rollout_config.bucket_bytes, **kwargs)
+        executor = self._bucket_executor()
+
+        async def next_async():
+            return await loop.run_in_executor(executor, stream.next_payload)
+
+        return stream, next_async
+
+    def _decide(self, payloads: List[Any], bucket: int) -> str:
+        errors = [f"TP rank {r}: {p[1]}" for r, p in enumerate(payloads) if isinstance(p, tuple) and p[:1] == (_ERR,)]
+        if errors:
+            return f"{_ERR}: bucket {bucket} failed on " + "; ".join(errors)
+        done = [p is None for p in payloads]
+        if all(done):
+            return _DONE
+        if any(done):
+            return f"{_ERR}: TP ranks ran out of buckets at different times (bucket {bucket}: done={done})"
+        return _LOAD
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", peft_config=None,
                              base_sync_done: bool = True, global_steps: Optional[int] = None, **kwargs):
-        """Stream ``weights`` ((name, tensor) generator) to the engine in flattened buckets.
+        """Stream ``weights`` to the engine in flattened buckets, one weight sync.
 
-        Every TP rank must consume the generator (verl's full-tensor gathers are collective).
+        Every TP rank must call this and consume its generator (verl's full-tensor gathers are
+        collective). The leader brackets the sync with the engine actor's ``begin_weight_sync`` /
+        ``finish_weight_sync`` (no generate runs between buckets; the prefix cache is flushed at the
+        end); a failure anywhere (a rank's generator, the manifest check, the engine) ends it with
+        ``finish_weight_sync(ok=False)`` and raises on every TP rank.
+
+        Args:
+            weights: ``(name, tensor)`` pairs in Hugging Face naming: a sync iterable or an async
+                iterable (verl's checkpoint engines' ``receive_weights``); tensors of any dtype on this
+                worker's GPU (or CPU).
+            wire_format: only ``"named_tensors"``.
+            peft_config, base_sync_done: verl's LoRA flags; an adapter sync is refused.
+            global_steps: the trainer step of these weights, reported in ``TokenOutput.extra_fields``.
 
         Raises:
             NotImplementedError: ``wire_format`` other than ``"named_tensors"``, or a LoRA adapter sync.
+            SyncValidationError: the weights do not match the model's manifest (names, shapes, dtypes).
+            RuntimeError: another TP rank failed, or the ranks disagree on the number of buckets.
+            MemoryStateError, EngineDeadError, EngineClosedError: from the engine actor, unchanged.
         """
         if wire_format != "named_tensors":
-            raise NotImplementedError(f"wire_format={wire_format!r} is not supported by sgl-rollout yet")
+            raise NotImplementedError(f"wire_format={wire_format!r} is not supported by sgl-rollout; set "
+                                      f"{ROLLOUT_PREFIX}.checkpoint_engine.backend to a full-weight backend")
         if peft_config is not None and base_sync_done:
-            raise NotImplementedError("LoRA adapter sync is not supported by sgl-rollout yet")
-        stream = BucketStream(((n.replace(".base_layer.", "."), t) for n, t in weights),
-                              self.rollout_config.bucket_bytes)
-        tp = self.rollout_config.tensor_model_parallel_size
-        while True:
-            payload = stream.next_payload()
-            payloads = self._gather(payload, tp)
-            done = payload is None
-            if self.tp_rank == 0 and not done:
-                await self.server.update_weights_from_payloads.remote(payloads)
-            self._barrier()  # every rank keeps its buffer until the engine has copied the bucket
-            if done:
-                break
-            stream.release()
-        if self.tp_rank == 0:
-            await self.server.flush_cache.remote()
-            if global_steps is not None:
-                await self.server.set_global_steps.remote(global_steps)
-
-    def _gather(self, payload: Optional[bytes], tp: int) -> List[Any]:
-        if self._tp_group is None or tp == 1:
-            return [payload]
-        out = [None] * tp if self.tp_rank == 0 else None
-        dst = torch.distributed.get_global_rank(self._tp_group, 0)
-        torch.distributed.gather_object(payload, out, dst=dst, group=self._tp_group)
-        return out
+            raise NotImplementedError("LoRA adapter sync is not supported by sgl-rollout; set "
+                                      "actor_rollout_ref.model.lora.merge=True")
+        if isinstance(weights, Mapping):
+            raise TypeError("weights is a dict: pass dict.items() (verl passes a generator of (name, tensor))")
+        self._ensure_tp_group()
+        leader = self.is_leader_rank
+        named = self._named_tensors(weights)
+        stream, next_payload = self._payload_source(named)
+        begin_exc: Optional[BaseException] = None
+        status = None
+        if leader:
+            try:
+                await self.server.begin_weight_sync.remote()
+            except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, then it is re-raised
+                begin_exc, status = exc, f"{_ERR}: the engine refused to begin a weight sync: {exc}"
+        status = self._broadcast(status)
+        if status is not None:
+            await _aclose(named)
+            if begin_exc is not None:
+                raise begin_exc
+            raise RuntimeError(status[len(_ERR) + 2:])
+        ok = False
+        try:
+            bucket = 0
+            while True:
+                local_exc: Optional[BaseException] = None
+                try:
+                    payload = await next_payload()
+                except Exception as exc:  # noqa: BLE001 - reported to every TP rank, re-raised below
+                    local_exc, payload = exc, (_ERR, f"{type(exc).__name__}: {exc}")
+                payloads = self._gather(payload)
+                status, engine_exc = None, None
+                if leader:
+                    status = self._decide(payloads, bucket)
+                    if status == _LOAD:
+                        try:
+                            await self.server.update_weights_from_payloads.remote(payloads)
+                        except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
+                            engine_exc, status = exc, f"{_ERR}: the engine refused bucket {bucket}: {exc}"
+                status = self._broadcast(status)  # every rank keeps its buffer until the engine copied it
+                stream.release()
+                if status.startswith(_ERR):
+                    if local_exc is not None:
+                        raise local_exc
+                    if engine_exc is not None:
+                        raise engine_exc
+                    raise RuntimeError(status[len(_ERR) + 2:])
+                if status == _DONE:
+                    break
+                bucket += 1
+            ok = True
+        finally:
+            await _aclose(named)
+            if leader:
+                try:
+                    await self.server.finish_weight_sync.remote(ok=ok)
+                except Exception:
+                    if ok:
+                        raise
+                    logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
+        if leader and global_steps is not None:
+            await self.server.set_global_steps.remote(global_steps)

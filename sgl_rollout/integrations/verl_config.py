@@ -1,0 +1,328 @@
+"""verl's rollout and model config (verl 0.9.1) mapped onto :class:`~sgl_rollout.config.RolloutConfig`.
+
+Every key verl's own SGLang server (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``,
+``SGLangHttpServer.launch_server``) turns into an SGLang argument is either mapped here or refused at
+start-up by :func:`check_verl_features` with :class:`UnsupportedVerlFeature`, whose message names the
+verl config key and what to use instead. Keys that verl's SGLang server ignores too (``seed``,
+``max_num_batched_tokens``, ``cudagraph_capture_sizes``, ...) are ignored here as well.
+
+Mapped (verl's semantics):
+
+* ``tensor_model_parallel_size * data_parallel_size`` is SGLang's ``tp_size``, and
+  ``data_parallel_size`` its ``dp_size``; SGLang runs ``dp_size`` TP groups of ``tp_size`` GPUs each
+  unless ``enable_dp_attention`` is on, so ``data_parallel_size > 1`` needs
+  ``engine_kwargs.sglang.enable_dp_attention=True`` (otherwise the replica's GPUs would not suffice);
+* ``expert_parallel_size`` is ``ep_size``;
+* ``engine_kwargs.sglang`` passes through; a key verl lets override its own choice
+  (``mem_fraction_static``, ``dtype``, ``disable_cuda_graph``, ``max_running_requests``,
+  ``load_format``, ``enable_weights_cpu_backup``) overrides the matching rollout key here too;
+* ``quantization=fp8``: SGLang gets ``quantization="fp8"`` and the block-wise FP8
+  ``quantization_config`` in ``json_model_override_args`` (verl's
+  ``verl/utils/sglang/sglang_fp8_utils.py`` builds it), and the adapter quantizes the trainer's bf16
+  weights to FP8 blocks before each weight sync, as verl's SGLang adapter does;
+* the model's ``trust_remote_code``; the model's local path is resolved on the engine's node by
+  :func:`resolve_local_model` (hdfs copy, ``use_shm``), as verl's server does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, List, Optional, Tuple
+
+from ..config import MANAGED_SERVER_ARGS, RolloutConfig
+
+logger = logging.getLogger("sgl_rollout")
+
+#: Where verl's trainer config keeps the rollout section and the model section.
+ROLLOUT_PREFIX = "actor_rollout_ref.rollout"
+MODEL_PREFIX = "actor_rollout_ref.model"
+#: What a user can switch to for a feature this package refuses.
+VERL_BUILTIN = "VERL_USE_EXTERNAL_PLUGINS=none (verl's built-in SGLang server)"
+
+#: ``engine_kwargs.sglang`` keys that verl lets override its own choice -> RolloutConfig field.
+ENGINE_KWARG_OVERRIDES = {
+    "mem_fraction_static": "gpu_memory_utilization",
+    "dtype": "dtype",
+    "disable_cuda_graph": "enforce_eager",
+    "max_running_requests": "max_num_seqs",
+    "load_format": "load_format",
+    "enable_weights_cpu_backup": "enable_weights_cpu_backup",
+}
+#: ``engine_kwargs.sglang`` keys whose value decides the replica's layout: set the verl key instead.
+ENGINE_KWARG_LAYOUT_KEYS = {
+    "tp_size": f"{ROLLOUT_PREFIX}.tensor_model_parallel_size",
+    "dp_size": f"{ROLLOUT_PREFIX}.data_parallel_size",
+    "ep_size": f"{ROLLOUT_PREFIX}.expert_parallel_size",
+    "model_path": f"{MODEL_PREFIX}.path",
+    "nnodes": f"{ROLLOUT_PREFIX}.nnodes",
+}
+#: ``engine_kwargs.sglang`` flags this package always sets: accepted only with the value it sets.
+ENGINE_KWARG_FIXED = {"enable_memory_saver": True, "disable_piecewise_cuda_graph": True}
+
+
+class UnsupportedVerlFeature(NotImplementedError):
+    """A verl feature sgl-rollout does not serve, refused at start-up.
+
+    The message has one line per problem: the verl config key with its value, why, and what to use
+    instead.
+    """
+
+
+def _get(cfg, key, default=None):
+    """``cfg[key]`` for a dict, DictConfig, dataclass or plain object; ``default`` when absent."""
+    if cfg is None:
+        return default
+    try:
+        return cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    except Exception:  # noqa: BLE001 - verl's BaseConfig / struct DictConfigs raise on some missing keys
+        return default
+
+
+def lora_as_adapter(model_config) -> bool:
+    """True when verl would serve LoRA as a hot-swapped adapter (``lora_rank`` or ``lora.rank`` > 0
+    without ``lora.merge``); the rule of verl's ``lora_served_as_adapter``
+    (``verl/workers/rollout/sglang_rollout/utils.py``)."""
+    lora = _get(model_config, "lora", None) or {}
+    rank = int(_get(model_config, "lora_rank", 0) or 0) or int(_get(lora, "rank", 0) or 0)
+    return rank > 0 and not bool(_get(lora, "merge", False))
+
+
+def _profiler_discrete(profiler) -> bool:
+    """True when verl's SGLang server would profile the engine (``start_profile``): enabled, tool
+    ``torch`` or ``npu``, discrete mode (``verl/utils/profiler``)."""
+    if profiler is None or not _get(profiler, "enable", False):
+        return False
+    tool = _get(profiler, "tool", None)
+    if tool not in ("torch", "npu"):
+        return False
+    tool_cfg = _get(_get(profiler, "tool_config", None) or {}, tool, None)
+    return bool(_get(tool_cfg, "discrete", False))
+
+
+def check_verl_features(cfg, model_config=None, prefix: str = ROLLOUT_PREFIX) -> None:
+    """Refuse the verl features sgl-rollout does not serve, all at once.
+
+    Args:
+        cfg: verl's rollout config (``verl/workers/config/rollout.py`` ``RolloutConfig``, a DictConfig
+            or a dict).
+        model_config: verl's model config (``HFModelConfig``, DictConfig, dict) or None.
+        prefix: where ``cfg`` sits in verl's config, for the messages.
+
+    Raises:
+        UnsupportedVerlFeature: one line per refused feature, each naming the config key and what to
+            use instead.
+    """
+    problems: List[str] = []
+
+    def refuse(key: str, value, why: str, instead: str) -> None:
+        problems.append(f"{key}={value!r}: {why}; use {instead}")
+
+    sglang_kwargs = _get(_get(cfg, "engine_kwargs", None) or {}, "sglang", None) or {}
+    dp = int(_get(cfg, "data_parallel_size", 1) or 1)
+    if dp > 1 and not _get(sglang_kwargs, "enable_dp_attention", False):
+        refuse(f"{prefix}.data_parallel_size", dp,
+               "SGLang runs data_parallel_size TP groups of tensor_model_parallel_size*data_parallel_size GPUs "
+               "each (more GPUs than the replica has) unless DP attention is on",
+               f"{prefix}.engine_kwargs.sglang.enable_dp_attention=True (DP attention, MoE models), or "
+               f"data_parallel_size=1 (verl then starts more replicas on the same GPUs)")
+    pp = int(_get(cfg, "pipeline_model_parallel_size", 1) or 1)
+    if pp > 1:
+        refuse(f"{prefix}.pipeline_model_parallel_size", pp, "pipeline parallel rollout is not supported",
+               "pipeline_model_parallel_size=1")
+    quant = _get(cfg, "quantization", None)
+    if quant not in (None, "fp8"):
+        refuse(f"{prefix}.quantization", quant, "only fp8 is supported (as in verl's SGLang server)",
+               "quantization=fp8 or null")
+    if _get(cfg, "quantization_config_file", None):
+        refuse(f"{prefix}.quantization_config_file", _get(cfg, "quantization_config_file"),
+               "read by verl's vLLM server only; SGLang would not apply it", "quantization=fp8 (block-wise) or null")
+    qat = _get(cfg, "qat", None)
+    if qat and _get(qat, "enable", False):
+        refuse(f"{prefix}.qat", "enabled", "QAT weight loading is implemented for vLLM only", "qat disabled")
+    if _get(_get(cfg, "prometheus", None), "enable", False):
+        refuse(f"{prefix}.prometheus.enable", True,
+               "Prometheus scrapes an HTTP /metrics endpoint per replica and sgl-rollout serves no HTTP",
+               f"prometheus.enable=False, or {VERL_BUILTIN}")
+    if _get(cfg, "enable_rollout_routing_replay", False):
+        refuse(f"{prefix}.enable_rollout_routing_replay", True,
+               "routed experts are not returned by sgl-rollout's generate", f"False, or {VERL_BUILTIN}")
+    mtp = _get(cfg, "mtp", None)
+    if mtp is not None and _get(mtp, "enable", False) and _get(mtp, "enable_rollout", False):
+        refuse(f"{prefix}.mtp.enable_rollout", True,
+               "speculative (MTP) rollout needs the draft weights synced too, which sgl-rollout does not do",
+               f"mtp.enable_rollout=False, or {VERL_BUILTIN}")
+    if _get(_get(cfg, "disaggregation", None), "enabled", False):
+        refuse(f"{prefix}.disaggregation.enabled", True, "prefill/decode disaggregation is not supported",
+               f"False, or {VERL_BUILTIN}")
+    backend = _get(_get(cfg, "checkpoint_engine", None), "backend", "naive")
+    if backend == "delta_sharded":
+        refuse(f"{prefix}.checkpoint_engine.backend", backend,
+               "delta weight syncs (wire_format='delta_flush') need verl's custom SGLang weight loader",
+               f"backend=naive or nccl/nixl (full weights), or {VERL_BUILTIN}")
+    if _profiler_discrete(_get(cfg, "profiler", None)):
+        refuse(f"{prefix}.profiler.tool_config.<tool>.discrete", True,
+               "profiling the rollout engine is not wired in sgl-rollout", f"discrete=False, or {VERL_BUILTIN}")
+    if model_config is not None and lora_as_adapter(model_config):
+        model_prefix = MODEL_PREFIX if prefix == ROLLOUT_PREFIX else f"{prefix}.model"
+        refuse(f"{model_prefix}.lora.merge", False,
+               "a LoRA adapter served as an adapter (hot-swapped) is not supported by sgl-rollout",
+               f"{model_prefix}.lora.merge=True (the trainer syncs merged weights), or {VERL_BUILTIN}")
+    if problems:
+        raise UnsupportedVerlFeature("sgl-rollout (rollout.name=sglang) does not serve:\n  " + "\n  ".join(problems))
+
+
+def fp8_quant_config(hf_config) -> dict:
+    """The block-wise FP8 ``quantization_config`` verl gives SGLang for ``quantization=fp8``.
+
+    Built by verl's ``build_sglang_fp8_quant_config`` (``verl/utils/sglang/sglang_fp8_utils.py``):
+    ``{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128], ...}`` plus the layers the model's own quantization config or
+    ``SGLANG_FP8_IGNORED_LAYERS`` leave out.
+    """
+    from verl.utils.sglang.sglang_fp8_utils import build_sglang_fp8_quant_config
+
+    return build_sglang_fp8_quant_config(hf_config)
+
+
+def with_fp8_override(engine_kwargs: dict, hf_config) -> dict:
+    """``engine_kwargs`` with ``json_model_override_args`` carrying the FP8 ``quantization_config``
+    (a user's own overrides in that JSON are kept; their ``quantization_config`` wins)."""
+    out = dict(engine_kwargs)
+    overrides = json.loads(out.get("json_model_override_args") or "{}")
+    overrides.setdefault("quantization_config", fp8_quant_config(hf_config))
+    out["json_model_override_args"] = json.dumps(overrides)
+    return out
+
+
+def rollout_config_from_verl(cfg, model_path: str, model_config=None, hf_config=None,
+                             rollout_mode: Optional[str] = None, prefix: str = ROLLOUT_PREFIX) -> RolloutConfig:
+    """Map verl's rollout config (``verl/workers/config/rollout.py``) to :class:`RolloutConfig`.
+
+    Args:
+        cfg: verl's rollout config (dataclass, DictConfig or dict).
+        model_path: the model folder the engine loads (see :func:`resolve_local_model`).
+        model_config: verl's model config, for ``trust_remote_code`` and the LoRA check; may be None.
+        hf_config: the model's Hugging Face config, needed for ``quantization=fp8``'s
+            ``json_model_override_args``; None leaves that to the engine actor, which knows it.
+        rollout_mode: verl's ``RolloutMode`` value of the replica (``"hybrid"``, ``"colocated"``,
+            ``"standalone"``; None: hybrid). As in verl's server: standalone replicas release only the
+            KV cache on sleep (``sleep_level=1``: weight syncs go into resident weights); colocated
+            ones (no weight sync ever) keep a CPU copy of the weights so a wake-up restores them.
+        prefix: where ``cfg`` sits in verl's config, for error messages.
+
+    Returns:
+        RolloutConfig with TP size ``tensor_model_parallel_size * data_parallel_size`` (verl's
+        ``infer_tp``), the bucket size of ``checkpoint_engine.update_weights_bucket_megabytes`` and
+        ``engine_kwargs.sglang`` (minus the keys mapped onto rollout fields).
+
+    Raises:
+        UnsupportedVerlFeature: a feature :func:`check_verl_features` refuses, or an
+            ``engine_kwargs.sglang`` key that would change the replica's layout.
+        pydantic.ValidationError: a value out of range or an unknown SGLang key.
+    """
+    check_verl_features(cfg, model_config, prefix)
+    engine_kwargs = dict(_get(_get(cfg, "engine_kwargs", None) or {}, "sglang", None) or {})
+    kwargs: dict = dict(
+        model_path=model_path,
+        dtype=_get(cfg, "dtype", "bfloat16"),
+        gpu_memory_utilization=float(_get(cfg, "gpu_memory_utilization", 0.5)),
+        free_cache_engine=bool(_get(cfg, "free_cache_engine", True)),
+        enforce_eager=bool(_get(cfg, "enforce_eager", False)),
+        max_num_seqs=_get(cfg, "max_num_seqs", None),
+        load_format=_get(cfg, "load_format", "dummy") or "auto",
+    )
+    bad = []
+    for key in list(engine_kwargs):
+        if key in ENGINE_KWARG_OVERRIDES:
+            kwargs[ENGINE_KWARG_OVERRIDES[key]] = engine_kwargs.pop(key)  # verl: engine_kwargs win
+        elif key in ENGINE_KWARG_LAYOUT_KEYS:
+            bad.append(f"{prefix}.engine_kwargs.sglang.{key}={engine_kwargs[key]!r}: decides the replica's GPU "
+                       f"layout; set {ENGINE_KWARG_LAYOUT_KEYS[key]} instead")
+        elif key in ENGINE_KWARG_FIXED:
+            if engine_kwargs.pop(key) != ENGINE_KWARG_FIXED[key]:
+                bad.append(f"{prefix}.engine_kwargs.sglang.{key}: sgl-rollout always sets it to "
+                           f"{ENGINE_KWARG_FIXED[key]} ({MANAGED_SERVER_ARGS.get(key, '')}); remove the key")
+        elif key in MANAGED_SERVER_ARGS:
+            bad.append(f"{prefix}.engine_kwargs.sglang.{key}: {MANAGED_SERVER_ARGS[key]}; remove the key")
+    if bad:
+        raise UnsupportedVerlFeature("sgl-rollout (rollout.name=sglang) does not take:\n  " + "\n  ".join(bad))
+    tp = int(_get(cfg, "tensor_model_parallel_size", 1) or 1)
+    dp = int(_get(cfg, "data_parallel_size", 1) or 1)
+    ep = int(_get(cfg, "expert_parallel_size", 1) or 1)
+    kwargs["tensor_model_parallel_size"] = tp * dp
+    if dp > 1:
+        engine_kwargs["dp_size"] = dp
+    if ep > 1:
+        engine_kwargs["ep_size"] = ep
+    if _get(cfg, "quantization", None) == "fp8":
+        engine_kwargs["quantization"] = "fp8"
+        if hf_config is not None:
+            engine_kwargs = with_fp8_override(engine_kwargs, hf_config)
+    if model_config is not None and _get(model_config, "trust_remote_code", False):
+        engine_kwargs.setdefault("trust_remote_code", True)
+    engine_kwargs.setdefault("skip_tokenizer_init", bool(_get(cfg, "skip_tokenizer_init", True)))
+    if rollout_mode == "standalone":
+        kwargs["sleep_level"] = 1
+    elif rollout_mode == "colocated":
+        kwargs.setdefault("enable_weights_cpu_backup", True)
+    ce = _get(cfg, "checkpoint_engine", None)
+    bucket_mb = _get(ce, "update_weights_bucket_megabytes", None)
+    if bucket_mb:
+        kwargs["update_weights_bucket_megabytes"] = int(bucket_mb)
+    kwargs["engine_kwargs"] = engine_kwargs
+    return RolloutConfig(**kwargs)
+
+
+def model_path_of(model_config) -> Optional[str]:
+    """The model path as the caller's process sees it: ``local_path`` if set, else ``path``."""
+    return _get(model_config, "local_path", None) or _get(model_config, "path", None)
+
+
+def resolve_local_model(model_config) -> Tuple[Optional[str], Any]:
+    """The model's local folder on *this* node, and its Hugging Face config, as verl's server gets them.
+
+    verl's SGLang server converts the model config to ``HFModelConfig`` in its own actor
+    (``omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)``), whose ``__post_init__``
+    copies an hdfs path to the node's local cache and, with ``use_shm``, into ``/dev/shm``
+    (``verl/utils/fs.py`` ``copy_to_local``). This does the same; an ``HFModelConfig`` object built on
+    another node (its ``local_path`` absent here) is copied again with ``copy_to_local``.
+
+    Args:
+        model_config: dict / DictConfig (converted here), ``HFModelConfig`` or any object with
+            ``path`` / ``local_path`` / ``use_shm``.
+
+    Returns:
+        (local path or None, hf_config or None).
+
+    Raises:
+        whatever verl's ``HFModelConfig`` raises for a path it cannot read.
+    """
+    from omegaconf import DictConfig
+
+    if isinstance(model_config, (dict, DictConfig)):
+        from verl.utils.config import omega_conf_to_dataclass
+        from verl.workers.config import HFModelConfig
+
+        model_config = omega_conf_to_dataclass(model_config, dataclass_type=HFModelConfig)
+    local = _get(model_config, "local_path", None)
+    path = _get(model_config, "path", None)
+    if path and (not local or not os.path.exists(local)):
+        from verl.utils.fs import copy_to_local
+
+        local = copy_to_local(path, use_shm=bool(_get(model_config, "use_shm", False)))
+    return local or path, _get(model_config, "hf_config", None)
+
+
+def max_position_embeddings(hf_config) -> Optional[int]:
+    """The model's context length from its Hugging Face config (``text_config`` for VL models)."""
+    if hf_config is None:
+        return None
+    try:
+        from verl.workers.rollout.utils import get_max_position_embeddings
+
+        return int(get_max_position_embeddings(hf_config))
+    except Exception:  # noqa: BLE001 - an unusual config: fall back to the common attribute
+        value = getattr(hf_config, "max_position_embeddings", None)
+        return int(value) if value else None
