@@ -40,11 +40,24 @@ def serves(worker):
     return worker.generate([[1, 2, 3]], {"max_new_tokens": 2})[0][0].output_ids == [4, 5]
 
 
-def interrupt_main_after(seconds):
-    """Ctrl-C as a user sends it: a real SIGINT (it wakes a blocked wait, unlike _thread.interrupt_main)."""
-    t = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+def interrupt_main_when(sent):
+    """Ctrl-C as a user sends it (a real SIGINT, which wakes a blocked wait, unlike
+    _thread.interrupt_main), as soon as ``sent()`` says the request reached the engine double."""
+
+    def fire():
+        deadline = time.monotonic() + 5
+        while not sent() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    t = threading.Thread(target=fire, daemon=True)
     t.start()
     return t
+
+
+def sent(fake, kind):
+    n = sum(c[0] == kind for c in fake.calls)
+    return lambda: sum(c[0] == kind for c in fake.calls) > n
 
 
 @pytest.fixture
@@ -58,9 +71,10 @@ def worker():
 def test_interrupted_release_then_retry_does_not_release_twice(worker):
     w, fake = worker
     fake.answer_delay_s = 0.3
-    interrupt_main_after(0.05)
+    t = interrupt_main_when(sent(fake, "release"))
     with pytest.raises(KeyboardInterrupt):
         w.sleep()
+        t.join()
     # SGLang did release; the retry waits for its answer and is refused instead of releasing twice
     with pytest.raises(MemoryStateError, match="already released"):
         w.sleep()
@@ -75,9 +89,10 @@ def test_interrupted_resume_then_retry_does_not_resume_twice(worker):
     w, fake = worker
     w.sleep()
     fake.answer_delay_s = 0.3
-    interrupt_main_after(0.05)
+    t = interrupt_main_when(sent(fake, "resume"))
     with pytest.raises(KeyboardInterrupt):
         w.engine.resume(["kv_cache", "cuda_graph"])
+        t.join()
     with pytest.raises(MemoryStateError, match="resident"):
         w.engine.resume(["kv_cache", "cuda_graph"])
     assert not fake.dead
@@ -160,9 +175,10 @@ def test_cancelled_generate_still_running_blocks_release(worker):
 def test_keyboard_interrupt_in_sync_generate_aborts_it(worker):
     w, fake = worker
     fake.block = threading.Event()
-    interrupt_main_after(0.1)
+    t = interrupt_main_when(fake.entered.is_set)
     with pytest.raises(KeyboardInterrupt):
         w.generate([[5]], {"max_new_tokens": 1})
+        t.join()
     deadline = time.monotonic() + 2
     while w.engine.state.in_flight and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -373,9 +389,10 @@ def test_interrupted_sync_recovers(worker):
     w, fake = worker
     w.sleep()
     fake.answer_delay_s = 0.3
-    interrupt_main_after(0.05)
+    t = interrupt_main_when(sent(fake, "resume"))
     with pytest.raises(KeyboardInterrupt):
         w.update_weights(WEIGHTS)
+        t.join()
     fake.answer_delay_s = 0.0
     with pytest.raises(MemoryStateError):
         w.generate([[1]])  # KV cache still released and the weights mixed
