@@ -200,15 +200,31 @@ def _on_sigquit(signum=None, frame=None) -> None:
 
 
 def install_sigquit_handler() -> bool:
-    """Install :func:`_on_sigquit` for SIGQUIT in this process (main thread only).
+    """Keep SIGQUIT from ending this process: :func:`_on_sigquit` in the main thread, else ignore it.
+
+    CPython takes signal handlers only in the main thread. A Ray actor runs its constructor and
+    methods in other threads, so there the signal is set to ``SIG_IGN`` through libc (a process-wide
+    disposition any thread may set): the engine's watchdog thread then sees a dead process by
+    polling (every ``watch_interval_s``) instead of being prompted by the signal.
 
     Returns:
-        True when installed; False when called outside the main thread (CPython allows signal
-        handlers only there), in which case a scheduler death would still end this process.
+        True when SIGQUIT is handled or ignored; False when neither could be set up (no libc).
     """
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGQUIT, _on_sigquit)
+        return True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.restype = ctypes.c_void_p
+        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        sig_err = ctypes.c_void_p(-1).value
+        if libc.signal(int(signal.SIGQUIT), ctypes.c_void_p(1)) == sig_err:  # 1 == SIG_IGN
+            return False
+    except (OSError, AttributeError):
         return False
-    signal.signal(signal.SIGQUIT, _on_sigquit)
+    logger.info("SIGQUIT ignored in this process (not the main thread): engine deaths are found by polling")
     return True
 
 
@@ -316,8 +332,8 @@ class RolloutEngine:
         if shutdown is not None:
             atexit.unregister(shutdown)
         if not install_sigquit_handler():
-            logger.warning("engine started outside the main thread: SIGQUIT from a dying scheduler is not caught here; "
-                           "call sgl_rollout.engine.install_sigquit_handler() from the main thread")
+            logger.warning("SIGQUIT could be neither handled nor ignored here: a dying scheduler's SIGQUIT "
+                           "would end this process")
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sgl-rollout-engine", daemon=True)
         self._loop_thread.start()

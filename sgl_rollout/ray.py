@@ -87,9 +87,9 @@ class RolloutServer:
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig(**config)
         self.worker = None
         self.global_steps: Optional[int] = None
-        # Ray builds actors in the main thread; the engine starts later in the actor's event-loop
-        # thread, where CPython allows no signal handler. Without this, a dying scheduler's SIGQUIT
-        # would end the actor (and everything verl awaits on it) instead of raising EngineDeadError.
+        # Without this, a dying scheduler's SIGQUIT would end the actor (and everything verl awaits
+        # on it) instead of raising EngineDeadError. An async actor runs outside the main thread, so
+        # SIGQUIT is ignored here and deaths are found by the engine's watchdog.
         self.sigquit_handled = install_sigquit_handler()
 
     async def start(self) -> List[str]:
