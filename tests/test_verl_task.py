@@ -3,7 +3,6 @@ own code on CPU: its RL dataset reads the parquet, its reward manager scores wit
 it loads from the config keys, hydra composes verl's ppo_trainer config with exactly the script's
 overrides, and the plot reads what verl's file logger writes."""
 
-import asyncio
 import inspect
 import json
 import math

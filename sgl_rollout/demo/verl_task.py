@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .task import Problem, chat_messages, is_correct, make_problems, parse_answer, reward
+from .task import Problem, chat_messages, is_correct, make_problems, reward
 
 #: ``data_source`` of every row; verl names the validation metrics after it
 #: (``val-core/<data_source>/acc/mean@1``).
