@@ -223,25 +223,6 @@ class MemoryState:
         with self._lock:
             self._in_flight -= 1
 
-    def request(self) -> "_InFlight":
-        """Context manager around :meth:`admit_request` / :meth:`request_done`.
-
-        Raises:
-            MemoryStateError: on entry, as :meth:`admit_request`.
-        """
-        return _InFlight(self)
-
-
-class _InFlight:
-    def __init__(self, state: MemoryState):
-        self._state = state
-
-    def __enter__(self) -> None:
-        self._state.admit_request()
-
-    def __exit__(self, *exc) -> None:
-        self._state.request_done()
-
 
 def device_memory(device: Optional[int] = None) -> Tuple[int, int]:
     """(free, total) bytes of the whole device, as the driver reports them (all processes).
