@@ -83,6 +83,13 @@ class RolloutConfig(BaseModel):
         max_num_seqs: most requests running at once (SGLang ``max_running_requests``); None lets
             SGLang choose.
         load_format: SGLang load format; ``"dummy"`` gives random weights without reading files.
+        fast_sync: sync weights through this package's copy-plan loader inside SGLang
+            (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
+            one persistent IPC buffer per engine and one batched copy per bucket on each side. Models
+            whose layout the plan does not cover use SGLang's ``flattened_bucket`` path (logged once).
+        layered_summon: gather the trainer's weights one decoder layer at a time for the sync
+            (verl's ``rollout.layered_summon``), so the trainer's extra peak is one layer plus one
+            bucket instead of a full copy of the weights; buckets close at layer boundaries.
         validate_sync: check every weight sync against the model's weight manifest (Hugging Face
             names, shapes, dtypes read from ``model_path``; :mod:`sgl_rollout.weight_sync.manifest`)
             before any byte reaches the engine.
@@ -108,6 +115,8 @@ class RolloutConfig(BaseModel):
     enforce_eager: bool = False
     max_num_seqs: Optional[int] = Field(None, ge=1)
     load_format: str = "auto"
+    fast_sync: bool = True
+    layered_summon: bool = False
     validate_sync: bool = True
     engine_kwargs: Dict[str, Any] = Field(default_factory=dict)
 

@@ -91,3 +91,11 @@ def test_flatten_into_given_buffer_and_reject_small_one():
         assert torch.equal(_bits(got), _bits(src))
     with pytest.raises(ValueError):
         flatten_bucket(items, out=torch.empty(8, dtype=torch.uint8))
+
+
+def test_group_of_closes_buckets_at_group_boundaries():
+    ts = [(f"model.layers.{i // 2}.w{i % 2}", torch.zeros(4)) for i in range(6)]  # 2 tensors per layer
+    buckets = list(iter_buckets(ts, bucket_bytes=1 << 20, group_of=lambda n: n.split(".")[2]))
+    assert [[n for n, _ in b] for b in buckets] == [[n for n, _ in ts[i : i + 2]] for i in (0, 2, 4)]
+    # without group_of everything fits one bucket
+    assert len(list(iter_buckets(ts, bucket_bytes=1 << 20))) == 1

@@ -13,7 +13,7 @@ int8 tensor followed by a float32 one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -42,7 +42,12 @@ def _checked_item(item) -> NamedTensor:
     return name, tensor
 
 
-def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int, validator=None) -> Iterator[List[NamedTensor]]:
+def iter_buckets(
+    named_tensors: Iterable[NamedTensor],
+    bucket_bytes: int,
+    validator=None,
+    group_of: Optional[Callable[[str], Hashable]] = None,
+) -> Iterator[List[NamedTensor]]:
     """Yield consecutive groups of ``(name, tensor)`` whose flattened size fits ``bucket_bytes``.
 
     A tensor larger than ``bucket_bytes`` travels alone in its own bucket. Order is kept. The input
@@ -57,6 +62,9 @@ def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int, valida
             checked too (names and shapes only, nothing is kept) and one
             :class:`~.manifest.SyncValidationError` lists every problem. Names a full sync lacks are
             reported before the last bucket is yielded.
+        group_of: optional function of a tensor's name; a bucket closes whenever its value changes
+            from one tensor to the next (a layered sync passes the decoder-layer index, so no bucket
+            spans two layers and a layer's gathered tensors can be freed once its buckets are sent).
 
     Raises:
         ValueError: ``bucket_bytes`` < 1, or an item is not a (str, Tensor) pair.
@@ -67,6 +75,7 @@ def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int, valida
     items = iter(named_tensors)
     bucket: List[NamedTensor] = []
     used = 0
+    group = None
 
     def refuse_if_bad() -> None:
         if validator is not None and not validator.ok:
@@ -80,7 +89,11 @@ def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int, valida
         if validator is not None:
             validator.check(name, tensor)
         size = _aligned(tensor_nbytes(tensor))
-        if bucket and used + size > bucket_bytes:
+        new_group = False
+        if group_of is not None:
+            g = group_of(name)
+            new_group, group = bool(bucket) and g != group, g
+        if bucket and (new_group or used + size > bucket_bytes):
             refuse_if_bad()
             yield bucket
             bucket, used = [], 0
