@@ -32,6 +32,12 @@ MANAGED_SERVER_ARGS: Dict[str, str] = {
 }
 
 
+#: Dotted path of the fast-path loader that runs inside SGLang's scheduler; SGLang's
+#: ``custom_weight_loader`` launch argument must list it (``ModelRunner.update_weights_from_tensor``
+#: calls ``load_format`` only if it is listed there).
+FAST_SYNC_LOADER = "sgl_rollout.weight_sync.receiver.load_weights"
+
+
 @functools.lru_cache(maxsize=1)
 def server_args_fields() -> frozenset:
     """Names of the fields of the installed SGLang's ``ServerArgs`` dataclass.
@@ -174,4 +180,9 @@ class RolloutConfig(BaseModel):
         )
         if self.max_num_seqs is not None:
             kwargs["max_running_requests"] = self.max_num_seqs
+        if self.fast_sync:
+            loaders = list(kwargs.get("custom_weight_loader") or [])
+            if FAST_SYNC_LOADER not in loaders:
+                loaders.append(FAST_SYNC_LOADER)
+            kwargs["custom_weight_loader"] = loaders
         return kwargs
