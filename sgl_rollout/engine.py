@@ -475,6 +475,10 @@ class RolloutEngine:
             exc = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
             if on_done is not None:
                 on_done(exc)
+            if isinstance(exc, (concurrent.futures.CancelledError, asyncio.CancelledError)) and (
+                self._dead is not None or self._closed
+            ):
+                return  # the dead/closed engine's loop dropped the call: _fail_pending gives its error
             with self._pending_lock:
                 self._pending.discard(outer)
             with contextlib.suppress(concurrent.futures.InvalidStateError):

@@ -72,6 +72,7 @@ class FakeTokenizerManager:
             e.mixed_weight_generates += len(e.running)
         if e.on_update is not None:
             e.on_update(obj.serialized_named_tensors)
+            await e._alive()  # a scheduler killed by on_update never answers
         await self._answer()
         if e.fail_next_update:
             e.fail_next_update = False

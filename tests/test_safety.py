@@ -306,6 +306,31 @@ def test_scheduler_death_during_sync_raises_and_restart_recovers(worker):
     assert serves(w)
 
 
+def test_call_in_flight_gets_engine_dead_error_when_the_loop_cancels_it_first(worker, monkeypatch):
+    # Seen on an H100: the dying engine's loop cancelled the sync call SGLang would never answer, and
+    # the caller got the loop's CancelledError instead of EngineDeadError. Let the cancellation
+    # reach the call before the engine fails its pending calls, as it did there.
+    from sgl_rollout.engine import RolloutEngine
+
+    real_stop = RolloutEngine._stop_machinery
+
+    def stop_cancelling_first(self):
+        self._loop.call_soon_threadsafe(lambda: [t.cancel() for t in asyncio.all_tasks(self._loop)])
+        time.sleep(0.3)  # the loop runs on: the cancelled call completes before _fail_pending
+        real_stop(self)
+
+    monkeypatch.setattr(RolloutEngine, "_stop_machinery", stop_cancelling_first)
+    w, fake = worker
+    w.sleep()
+    fake.on_update = lambda _p: fake.kill_scheduler()
+    with pytest.raises(EngineDeadError):
+        w.update_weights(WEIGHTS)
+    monkeypatch.setattr(RolloutEngine, "_stop_machinery", real_stop)
+    w.restart()
+    w.update_weights(WEIGHTS)
+    assert serves(w)
+
+
 def test_sigquit_from_a_dying_child_does_not_kill_the_host(worker):
     w, fake = worker
     os.kill(os.getpid(), signal.SIGQUIT)  # what SGLang's scheduler and watchdog send the host
