@@ -172,19 +172,35 @@ def _delay_answers(worker, method, seconds):
     return lambda: setattr(tm, method, real)
 
 
+def _ctrl_c_after(seconds):
+    """Send this process SIGINT after ``seconds``; the returned timer is cancelled by the caller."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
 def test_ctrl_c_during_sleep_and_sync_recovers(tiny):
     worker, model = tiny
+    if not worker.engine.alive:  # an earlier test left it dead: the Ctrl-C must not land outside a call
+        worker.restart()
+        worker.update_weights(model.named_parameters())
     undo = _delay_answers(worker, "release_memory_occupation", 1.0)
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        worker.sleep()
+    timer = _ctrl_c_after(0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.sleep()
+    finally:
+        timer.cancel()
     undo()
     with pytest.raises(MemoryStateError, match="already released"):
         worker.sleep()  # waits for SGLang's answer, then refuses: a second release would exit(1)
     undo = _delay_answers(worker, "update_weights_from_tensor", 1.0)
-    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt):
-        worker.update_weights(model.named_parameters())
+    timer = _ctrl_c_after(0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            worker.update_weights(model.named_parameters())
+    finally:
+        timer.cancel()
     undo()
     worker.update_weights(model.named_parameters())
     assert worker.engine.alive
