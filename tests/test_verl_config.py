@@ -111,6 +111,19 @@ def test_quantization_fp8_reaches_sglang(tiny_model):
         mapped("actor_rollout_ref.rollout.quantization=int8")
 
 
+def test_layered_summon_maps_and_keeps_sleep_level_2():
+    verl_cfg, cfg = mapped()
+    assert verl_cfg.layered_summon is False and cfg.layered_summon is False
+    verl_cfg, cfg = mapped("actor_rollout_ref.rollout.layered_summon=true")
+    assert verl_cfg.layered_summon is True and cfg.layered_summon is True
+    # verl's vLLM rollout drops to sleep level 1 with layered_summon; the staged wake needs no such thing
+    assert cfg.sleep_level == 2 and cfg.free_cache_engine
+    root = compose("actor_rollout_ref.rollout.layered_summon=true")
+    assert rollout_config_from_verl(root.actor_rollout_ref.rollout, "/models/x").layered_summon is True
+    assert rollout_config_from_verl({"layered_summon": True}, "/models/x").layered_summon is True
+    assert "layered_summon" not in cfg.to_server_args()  # ours, not SGLang's
+
+
 def test_data_parallel_size(monkeypatch):
     with pytest.raises(UnsupportedVerlFeature,
                        match=r"actor_rollout_ref\.rollout\.data_parallel_size=2.*enable_dp_attention=True"):

@@ -20,6 +20,11 @@ Mapped (verl's semantics):
   ``quantization_config`` in ``json_model_override_args`` (verl's
   ``verl/utils/sglang/sglang_fp8_utils.py`` builds it), and the adapter quantizes the trainer's bf16
   weights to FP8 blocks before each weight sync, as verl's SGLang adapter does;
+* ``layered_summon`` is ``RolloutConfig.layered_summon``: the trainer's weights are gathered one
+  decoder layer at a time for a sync (:mod:`sgl_rollout.weight_sync.layered`). verl's vLLM rollout
+  forces ``sleep_level=1`` with it (``verl/workers/rollout/vllm_rollout/vllm_rollout.py``); here the
+  sleep level stays what it would be without it (2 for hybrid replicas), as the staged wake resumes
+  the weights before the sync and the KV cache only after the trainer has offloaded;
 * the model's ``trust_remote_code``; the model's local path is resolved on the engine's node by
   :func:`resolve_local_model` (hdfs copy, ``use_shm``), as verl's server does.
 """
@@ -232,6 +237,7 @@ def rollout_config_from_verl(cfg, model_path: str, model_config=None, hf_config=
         enforce_eager=bool(_get(cfg, "enforce_eager", False)),
         max_num_seqs=_get(cfg, "max_num_seqs", None),
         load_format=_get(cfg, "load_format", "dummy") or "auto",
+        layered_summon=bool(_get(cfg, "layered_summon", False)),
     )
     bad = []
     for key in list(engine_kwargs):
