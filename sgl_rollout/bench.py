@@ -3,12 +3,16 @@
 Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 2048, 22 layers,
 32000 vocab, bf16, ``load_format="dummy"``), each the median of ``--repeats`` runs:
 
-* ``per_tensor_2g``: per-tensor CUDA IPC handles in groups of up to 2 GiB, as verl sends them
+* ``verl_per_tensor_2g``: per-tensor CUDA IPC handles in groups of up to 2 GiB, as verl sends them
   (``update_weights_from_tensor`` without a load format);
-* ``flat_512m``: flattened buckets of 512 MiB, as slime sends them;
-* ``flat_2g``: flattened buckets of 2 GiB;
-* ``default``: this package's default (``RolloutConfig().update_weights_bucket_megabytes``);
-* ``flatten_only_2g``: the sender's share of ``flat_2g``: building the 2 GiB buckets, no engine call;
+* ``slime_flat_512m``: SGLang's ``flattened_bucket`` format in 512 MiB buckets, as slime sends them;
+* ``flat_<default>m``: the same format in this package's default bucket
+  (``RolloutConfig().update_weights_bucket_megabytes``): the path before the fast path;
+* ``fast_512m``, ``fast_<default>m``: the fast path (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`:
+  copy plan, persistent IPC buffer, one batched copy per bucket on each side), with the sender's
+  gather / SGLang round trip / status check split of the last run;
+* ``flatten_only_2g``: building 2 GiB flattened buckets, no engine call;
+* ``split_with_sizes_copy``: scattering the same bytes from one buffer into 201 tensors in one kernel;
 * ``d2d_copy``: one device-to-device copy of the same bytes, the physical limit.
 
 It prints a table of median seconds and GB/s (1e9 bytes of tensor data per second) and writes JSON.
@@ -134,6 +138,8 @@ def bench_sync(args) -> Dict:
     from .config import RolloutConfig
     from .engine import RolloutEngine
     from .weight_sync import flatten_bucket, send_flattened_buckets, serialize
+    from .weight_sync.manifest import WeightManifest
+    from .weight_sync.sender import FastPathSender
 
     model_dir = os.path.join(args.workdir, "llama-1.1b")
     make_llama_dir(model_dir, LLAMA_1B)
@@ -162,14 +168,27 @@ def bench_sync(args) -> Dict:
             for bucket in _groups(named, 2 << 30):
                 flatten_bucket(bucket, device="cuda")
 
+        manifest = WeightManifest.from_named_tensors(named)
+        senders = {mb: FastPathSender(engine, manifest, mb << 20) for mb in (512, default_mb)}
+
+        def fast(mb):
+            def run():
+                with engine.weight_sync():
+                    senders[mb].send(named)
+            return run
+
         flat_all = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         dst = torch.empty_like(flat_all)
+        sizes = [t.numel() * t.element_size() for _, t in named]
+        outs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
         methods = {
-            "per_tensor_2g": per_tensor,
-            "flat_512m": flat(512),
-            "flat_2g": flat(2048),
-            f"default_{default_mb}m": flat(default_mb),
+            "verl_per_tensor_2g": per_tensor,
+            "slime_flat_512m": flat(512),
+            f"flat_{default_mb}m": flat(default_mb),
+            "fast_512m": fast(512),
+            f"fast_{default_mb}m": fast(default_mb),
             "flatten_only_2g": flatten_only,
+            "split_with_sizes_copy": lambda: torch.split_with_sizes_copy(flat_all, sizes, out=outs),
             "d2d_copy": lambda: dst.copy_(flat_all),
         }
         results = {}
@@ -178,7 +197,12 @@ def bench_sync(args) -> Dict:
             times = _timed(fn, args.repeats)
             med = statistics.median(times)
             results[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "times_s": times}
-        del flat_all, dst
+            if name.startswith("fast_"):
+                snd = senders[int(name[5:-1])]
+                results[name]["last_parts_s"] = dict(snd.timings)
+                results[name]["buckets"] = len(snd._layouts[0]) if snd.covered else None
+                results[name]["covered"] = snd.covered
+        del flat_all, dst, outs
         peak = {}
         for mb in (512, 2048, default_mb):
             torch.cuda.empty_cache()
@@ -186,6 +210,14 @@ def bench_sync(args) -> Dict:
             base = torch.cuda.memory_allocated()
             flat(mb)()
             peak[f"flat_{mb}m"] = torch.cuda.max_memory_allocated() - base
+        for mb, snd in senders.items():
+            with engine.weight_sync():
+                snd.release()  # the buffer is allocated again by the measured sync
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            fast(mb)()
+            peak[f"fast_{mb}m"] = torch.cuda.max_memory_allocated() - base
     finally:
         engine.shutdown()
     return {
@@ -214,9 +246,12 @@ def print_table(res: Dict) -> None:
     """Print :func:`bench_sync`'s result as a table (ms, GB/s, sender peak MiB)."""
     print(f"\nweight sync into SGLang {res['sglang']} on {res['device']}: {res['n_tensors']} tensors, "
           f"{res['bytes'] / 1e9:.2f} GB, median of {res['repeats']}")
-    print(f"{'method':<18}{'median ms':>12}{'GB/s':>10}")
+    print(f"{'method':<22}{'median ms':>12}{'GB/s':>10}")
     for name, r in res["results"].items():
-        print(f"{name:<18}{r['median_s'] * 1e3:>12.2f}{r['gb_per_s']:>10.1f}")
+        parts = r.get("last_parts_s")
+        extra = ("  (" + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in parts.items()) + f"; {r.get('buckets')} buckets)"
+                 if parts else "")
+        print(f"{name:<22}{r['median_s'] * 1e3:>12.2f}{r['gb_per_s']:>10.1f}{extra}")
     for name, b in res.get("sender_peak_extra_bytes", {}).items():
         print(f"sender peak extra, {name}: {b / 2**20:.0f} MiB")
 

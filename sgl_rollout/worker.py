@@ -4,7 +4,9 @@ Staged wake, the order ``update_weights`` runs (after SGLang's RL team's multi-s
 verl's ``SGLangRollout`` does it with ``resume(tags=["weights"])`` then ``resume(tags=["kv_cache"])``):
 
 1. resume ``weights`` (only the weights come back: the KV cache is still released);
-2. stream the new weights in flattened buckets over CUDA IPC;
+2. stream the new weights over CUDA IPC: through the copy-plan fast path
+   (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`, a persistent buffer per TP rank) when
+   ``config.fast_sync`` and the model's layout allow it, else in SGLang's flattened buckets;
 3. call the trainer's offload callback (move optimizer state and parameters to CPU);
 4. ``aggressive_empty_cache()`` so the trainer's freed blocks go back to the driver;
 5. resume ``kv_cache`` (and ``cuda_graph``).
@@ -21,11 +23,14 @@ import time
 from collections.abc import ItemsView, Mapping
 from typing import Callable, Dict, Iterable, List, Optional
 
+import torch
+
 from .config import RolloutConfig
 from .engine import Generation, RolloutEngine
 from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache
 from .weight_sync import SyncStats, send_flattened_buckets
 from .weight_sync.bucket import NamedTensor
+from .weight_sync.sender import FastPathSender
 from .weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,8 @@ class RolloutWorker:
         self.timeline = timeline if timeline is not None else MemoryTimeline()
         self.last_phase_seconds: Dict[str, float] = {}
         self._manifest: Optional[WeightManifest] = None
+        self._fast: Optional[FastPathSender] = None
+        self._fast_off_logged = False
         self._manifest_tried = False
         self.timeline.record("engine_ready")
 
@@ -92,6 +99,34 @@ class RolloutWorker:
     def manifest(self, value: Optional[WeightManifest]) -> None:
         self._manifest, self._manifest_tried = value, True
 
+    def _fast_sender(self) -> Optional[FastPathSender]:
+        """The fast-path sender, or None (then the flattened path) with the reason logged once:
+        ``fast_sync`` off, no CUDA, no manifest, or a TP rank's GPU not visible to this process."""
+        if self._fast is not None:
+            return self._fast
+        reason = None
+        tp = self.config.tensor_model_parallel_size
+        if not self.config.fast_sync:
+            reason = "fast_sync is off"
+        elif not torch.cuda.is_available():
+            reason = "no CUDA device"
+        elif self.manifest is None:
+            reason = "no weight manifest (validate_sync off or unreadable)"
+        else:
+            args = self.config.engine_kwargs
+            base, step = int(args.get("base_gpu_id", 0)), int(args.get("gpu_id_step", 1))
+            ids = [base + r * step for r in range(tp)]
+            if max(ids) >= torch.cuda.device_count():
+                reason = f"TP ranks' GPUs {ids} are not all visible here"
+        if reason is not None:
+            if not self._fast_off_logged:
+                self._fast_off_logged = True
+                logger.info("weight sync through SGLang's flattened buckets: %s", reason)
+            return None
+        self._fast = FastPathSender(self.engine, self.manifest, self.config.bucket_bytes,
+                                    devices=[torch.device("cuda", i) for i in ids])
+        return self._fast
+
     @property
     def asleep(self) -> bool:
         """True while any memory region is released."""
@@ -116,7 +151,12 @@ class RolloutWorker:
         if not self.config.free_cache_engine:
             return []
         t0 = time.perf_counter()
-        tags = self.engine.release(self.release_tags())
+        tags = self.release_tags()
+        if WEIGHTS in tags and self._fast is not None and self._fast.holds_buffers:
+            with self.engine.weight_sync():  # the engine closes its IPC handles, then the buffers are freed
+                self._fast.release()
+            t0 = self._phase("release_sync_buffers", t0)
+        tags = self.engine.release(tags)
         self._phase("sleep", t0)
         return tags
 
@@ -177,7 +217,8 @@ class RolloutWorker:
                 missing names, all listed; or an empty sync while the weights are released (they
                 would come back undefined). The engine keeps serving its previous weights when the
                 refusal came before the first byte.
-            RuntimeError: SGLang failed to load a bucket (its weights may be partly new).
+            RuntimeError: SGLang failed to load a bucket (its weights may be partly new); on the fast
+                path :class:`~sgl_rollout.weight_sync.sender.FastPathError` (the engine lives).
             MemoryStateError: requests run, or another operation is in progress.
         """
         self.last_phase_seconds = {}
@@ -205,14 +246,18 @@ class RolloutWorker:
             if not self.config.enable_weights_cpu_backup:
                 self.engine.state.sync_sent()  # undefined until a complete sync
             t0 = self._phase("resume_weights", t0)
+        fast = self._fast_sender()
         with self.engine.weight_sync():
-            stats = send_flattened_buckets(
-                self.engine,
-                items,
-                bucket_bytes=self.config.bucket_bytes,
-                tp_size=self.config.tensor_model_parallel_size,
-                validator=validator,
-            )
+            if fast is not None:
+                stats = fast.send(items, validator=validator, partial=partial)
+            else:
+                stats = send_flattened_buckets(
+                    self.engine,
+                    items,
+                    bucket_bytes=self.config.bucket_bytes,
+                    tp_size=self.config.tensor_model_parallel_size,
+                    validator=validator,
+                )
         t0 = self._phase("sync", t0)
         if offload_trainer is not None:
             offload_trainer()
@@ -235,8 +280,12 @@ class RolloutWorker:
         come back resident with the weights ``config.load_format`` gives: call :meth:`update_weights`
         with the trainer's weights before generating."""
         self.engine.restart()
+        if self._fast is not None:
+            self._fast.reset()
         self.timeline.record("engine_restarted")
 
     def shutdown(self) -> None:
-        """Stop the engine (only its own processes)."""
+        """Stop the engine (only its own processes) and free the sync buffers."""
         self.engine.shutdown()
+        if self._fast is not None:
+            self._fast.release(notify=False)

@@ -9,14 +9,22 @@ return (the scheduler has then copied the bucket into its weights), drop the buf
 
 from __future__ import annotations
 
+import json
+import logging
 import time
+import uuid
 from dataclasses import dataclass
-from typing import Callable, Iterable, List, Mapping, Optional, Protocol, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 
-from .bucket import NamedTensor, flatten_bucket, iter_buckets
+from .bucket import NamedTensor, _checked_item, bucket_layout, flatten_bucket, iter_buckets
 from .ipc import serialize
+from .manifest import SyncValidationError
+from .plan import (OK, STATUS_BYTES, STATUS_NAME, Chunk, bucket_size, decode_header, dtype_name, dtype_of, header_name,
+                   layout, manifest_entries, plan_id)
+
+logger = logging.getLogger(__name__)
 
 
 class TensorUpdateTarget(Protocol):
@@ -186,3 +194,315 @@ class BucketStream:
         self._held = None
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
+
+
+class FastPathError(RuntimeError):
+    """The fast-path loader inside SGLang reported a failure, or did not answer.
+
+    The engine is alive (the loader never raises into the scheduler). If bytes of a bucket were
+    copied, its weights are partly new: sync again (the engine refuses generates until then).
+    """
+
+
+class FastPathSender:
+    """Sender side of the fast path (:mod:`.receiver` inside SGLang, :mod:`.plan`), for one engine.
+
+    It owns, per TP rank, one persistent bucket buffer (``torch.uint8``, at most ``bucket_bytes``,
+    on that rank's GPU) and one status block (``STATUS_BYTES``), shared with the engine over CUDA
+    IPC in every call; the engine keeps the handles open, so only the first call of a buffer pays
+    the open and only :meth:`release` pays the close. The copy plan is asked of the engine once
+    (op ``plan``, from ``manifest``); a sync then writes each bucket in plan order with one batched
+    copy (``torch.cat`` into the buffer, or ``torch._foreach_copy_`` when sources are strided or
+    of another dtype/device), synchronizes the stream, and has SGLang scatter it.
+
+    Extra GPU memory on the sending side: the buffers (one bucket per TP rank, each on its rank's
+    GPU), the status blocks (1 MiB each), and trainer tensors that arrive before the bucket that
+    needs them (none when they come in the model's order, as ``named_parameters()`` gives them).
+
+    Models whose layout the plan does not cover, and partial syncs, go through op ``load``: the
+    bucket is flattened into the same buffer and SGLang's own ``load_weights`` runs on views of it
+    (today's flattened path, caught inside the scheduler); the reason is logged once.
+
+    Args:
+        engine: :class:`sgl_rollout.engine.RolloutEngine` (or anything with its
+            ``update_weights_from_tensor(payloads, load_format, flush_cache)`` and ``flush_cache()``),
+            launched with :data:`sgl_rollout.config.FAST_SYNC_LOADER` in ``custom_weight_loader``.
+        manifest: the model's :class:`~.manifest.WeightManifest`.
+        bucket_bytes: most bytes per bucket (and per buffer).
+        devices: one device per TP rank for that rank's buffer (the rank's GPU); None: the current
+            CUDA device for every rank (the CPU without CUDA: tests).
+    """
+
+    def __init__(self, engine, manifest, bucket_bytes: int, devices: Optional[Sequence] = None, tp_size: int = 1):
+        from ..config import FAST_SYNC_LOADER
+
+        self.engine, self.manifest, self.bucket_bytes = engine, manifest, int(bucket_bytes)
+        if devices is None:
+            dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            devices = [dev] * tp_size
+        self.devices = [torch.device(d) for d in devices]
+        self.load_format = FAST_SYNC_LOADER
+        self.key = uuid.uuid4().hex
+        self._seq = 0
+        self._t_mark = time.perf_counter()
+        self._buffers: List[Optional[torch.Tensor]] = [None] * len(self.devices)
+        self._status: List[Optional[torch.Tensor]] = [None] * len(self.devices)
+        self._layouts: Optional[List[List[list]]] = None  # per rank, per bucket: list of Piece
+        self.covered: Optional[bool] = None
+        self.reason = ""
+        self.fault: Optional[str] = None  # tests: "raise" makes the next call's loader raise inside SGLang
+        #: seconds of the last :meth:`send`: ``gather`` (sender's copies into the buffers, until the
+        #: stream is synchronized), ``call`` (SGLang's round trip, the receiver's scatter included),
+        #: ``check`` (reading the status blocks)
+        self.timings: Dict[str, float] = {}
+
+    @property
+    def tp_size(self) -> int:
+        """Number of TP ranks served."""
+        return len(self.devices)
+
+    @property
+    def holds_buffers(self) -> bool:
+        """True while a buffer or status block is allocated (and shared with the engine)."""
+        return any(x is not None for x in self._buffers + self._status)
+
+    # ------------------------------------------------------------- calls
+    def _status_block(self, r: int) -> torch.Tensor:
+        if self._status[r] is None:
+            self._status[r] = torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=self.devices[r])
+        return self._status[r]
+
+    def _buffer(self, r: int, nbytes: int) -> torch.Tensor:
+        buf = self._buffers[r]
+        if buf is None or buf.numel() < nbytes:
+            self._buffers[r] = None
+            buf = self._buffers[r] = torch.empty(nbytes, dtype=torch.uint8, device=self.devices[r])
+        return buf
+
+    def _call(self, headers: List[dict], buffers: List[Optional[torch.Tensor]], read_body: bool = False) -> List[dict]:
+        """One ``update_weights_from_tensor`` with a request per rank; returns each rank's answer body.
+
+        Raises:
+            FastPathError: a rank's loader failed or did not answer.
+            RuntimeError: SGLang itself reported a failure.
+        """
+        self._seq += 1
+        seq = self._seq
+        payloads = []
+        for r, (h, buf) in enumerate(zip(headers, buffers)):
+            h = dict(h, seq=seq, key=f"{self.key}/{r}")
+            if self.fault:
+                h["fault"], self.fault = self.fault, None
+            st = self._status_block(r)
+            payloads.append(serialize([(header_name(h), st if buf is None else buf), (STATUS_NAME, st)]))
+        for d in {d for d in self.devices if d.type == "cuda"}:
+            torch.cuda.current_stream(d).synchronize()  # a cached handle skips torch's IPC event wait
+        t1 = time.perf_counter()
+        self._tick("gather", self._t_mark)
+        _raise_on_failure(self.engine.update_weights_from_tensor(payloads, load_format=self.load_format,
+                                                                 flush_cache=False))
+        t2 = self._tick("call", t1)
+        bodies = []
+        for r in range(self.tp_size):
+            st = self._status[r]
+            got, code, n, _v = decode_header(bytes(st[:32].cpu().numpy()))
+            if got != seq:
+                raise FastPathError(f"TP rank {r}: the fast-path loader did not answer (is {self.load_format} in the "
+                                    "engine's custom_weight_loader?)")
+            body = json.loads(bytes(st[32 : 32 + n].cpu().numpy())) if (read_body or code != OK) else {}
+            if code != OK:
+                raise FastPathError(f"TP rank {r}: the fast-path loader failed inside SGLang: {body.get('error')}")
+            bodies.append(body)
+        self._t_mark = self._tick("check", t2)
+        return bodies
+
+    def _tick(self, part: str, since: float) -> float:
+        now = time.perf_counter()
+        self.timings[part] = self.timings.get(part, 0.0) + now - since
+        return now
+
+    # ------------------------------------------------------------- plan
+    def ensure_plan(self) -> bool:
+        """Ask the engine for the copy plan once; True when every rank's layout is covered.
+
+        Call inside a sync (``engine.begin_sync()``): it goes through ``update_weights_from_tensor``
+        but changes no weight.
+        """
+        if self.covered is not None:
+            return self.covered
+        entries = manifest_entries(self.manifest)
+        headers = [dict(op="plan", manifest=entries, bucket_bytes=self.bucket_bytes,
+                        plan_id=plan_id(entries, self.bucket_bytes, r, self.tp_size)) for r in range(self.tp_size)]
+        bodies = self._call(headers, [None] * self.tp_size, read_body=True)
+        if not all(b.get("covered") for b in bodies):
+            self.covered = False
+            self.reason = "; ".join(b.get("reason", "") for b in bodies if not b.get("covered"))
+            logger.warning("weight sync: the copy plan does not cover this model (%s); using SGLang's load_weights "
+                           "on flattened buckets", self.reason)
+            return False
+        self._plan_ids = [h["plan_id"] for h in headers]
+        self._layouts = [layout([Chunk.from_list(c) for c in b["chunks"]], self.bucket_bytes) for b in bodies]
+        self.covered = True
+        return True
+
+    # ------------------------------------------------------------- sync
+    def send(self, named_tensors: Iterable[NamedTensor], validator=None, partial: bool = False) -> SyncStats:
+        """Sync ``named_tensors`` (call inside ``engine.begin_sync()``/``end_sync()``).
+
+        Args:
+            named_tensors: (HF name, tensor), CPU or CUDA, any float dtype (cast to the engine's),
+                consumed lazily; best in the model's order.
+            validator: optional :class:`~.manifest.SyncValidator`, checking each tensor before the
+                bucket that needs it is sent.
+            partial: a sync of some weights only (goes through op ``load``).
+
+        Returns:
+            SyncStats; ``bytes`` counts rank 0's bytes, ``max_bucket_bytes`` the largest buffer.
+
+        Raises:
+            SyncValidationError: ``validator`` refused a tensor, or (full sync) names of the plan
+                never came; nothing of the bucket that needed them was sent.
+            FastPathError: the loader failed inside SGLang (the engine lives; sync again).
+        """
+        t0 = self._t_mark = time.perf_counter()
+        self.timings = {}
+        if partial or not self.ensure_plan():
+            stats = self._send_load(named_tensors, validator)
+        else:
+            stats = self._send_plan(named_tensors, validator)
+        if stats.n_buckets:
+            self.engine.flush_cache()
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def _send_load(self, named_tensors, validator) -> SyncStats:
+        stats = SyncStats()
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes, validator=validator):
+            headers, bufs = [], []
+            for r in range(self.tp_size):
+                _, total = bucket_layout(bucket)
+                flat = flatten_bucket(bucket, device=self.devices[r], out=self._buffer(r, total))
+                headers.append(dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx, m.end_idx]
+                                                     for m in flat.metadata]))
+                bufs.append(self._buffers[r])
+            self._call(headers, bufs)
+            stats.add(flat)
+        return stats
+
+    def _send_plan(self, named_tensors, validator) -> SyncStats:
+        layouts = self._layouts
+        n_buckets = max(len(lay) for lay in layouts)
+        # last bucket that needs each name (sources are dropped after it)
+        last_use: Dict[str, int] = {}
+        for lay in layouts:
+            for b, pieces in enumerate(lay):
+                for pc in pieces:
+                    last_use[pc.chunk.name] = max(last_use.get(pc.chunk.name, -1), b)
+        held: Dict[str, torch.Tensor] = {}
+        items = iter(named_tensors)
+        stats = SyncStats()
+        seen = 0
+
+        def refuse_if_bad():
+            if validator is not None and not validator.ok:
+                for rest in items:
+                    validator.check(*_checked_item(rest))
+                validator.finish()
+                validator.raise_if_failed()
+
+        for b in range(n_buckets):
+            needed = {pc.chunk.name for lay in layouts if b < len(lay) for pc in lay[b]}
+            while not needed <= held.keys():
+                item = next(items, None)
+                if item is None:
+                    missing = sorted(needed - held.keys())
+                    if validator is not None:
+                        validator.finish()
+                        validator.raise_if_failed()
+                    raise SyncValidationError([f"the sync ended without {len(missing)} weight(s) of the copy plan: "
+                                               f"{missing[:5]}"])
+                name, tensor = _checked_item(item)
+                seen += 1
+                if validator is not None:
+                    validator.check(name, tensor)
+                if name in last_use and last_use[name] >= b:
+                    held[name] = tensor
+            refuse_if_bad()
+            headers, bufs = [], []
+            for r, lay in enumerate(layouts):
+                if b >= len(lay):
+                    headers.append(dict(op="copy", plan_id=self._plan_ids[r], bucket=-1))
+                    bufs.append(None)
+                    continue
+                buf = self._buffer(r, max(bucket_size(p) for p in lay))
+                _gather(lay[b], held, buf)
+                headers.append(dict(op="copy", plan_id=self._plan_ids[r], bucket=b))
+                bufs.append(buf)
+            self._call(headers, bufs)
+            stats.n_buckets += 1
+            stats.bytes += sum(pc.chunk.nbytes for pc in layouts[0][b]) if b < len(layouts[0]) else 0
+            stats.max_bucket_bytes = max(stats.max_bucket_bytes, *(x.numel() for x in self._buffers if x is not None))
+            for name in [n for n in held if last_use[n] <= b]:
+                del held[name]
+        for item in items:  # names without chunks (a tied lm_head): checked, not sent
+            name, tensor = _checked_item(item)
+            seen += 1
+            if validator is not None:
+                validator.check(name, tensor)
+        if validator is not None:
+            validator.finish()
+            validator.raise_if_failed()
+        stats.n_tensors = seen
+        return stats
+
+    def digest(self) -> List[Dict[str, str]]:
+        """SHA-256 of each SGLang parameter's bytes, one dict per TP rank (for bit-exact checks).
+
+        Call inside a sync fence (``engine.weight_sync()``); it copies every parameter to the CPU
+        inside the scheduler, so it is slow for big models.
+        """
+        bodies = self._call([dict(op="digest") for _ in range(self.tp_size)], [None] * self.tp_size, read_body=True)
+        return [b["digest"] for b in bodies]
+
+    # ------------------------------------------------------------- release
+    def release(self, notify: bool = True) -> None:
+        """Free the buffers and status blocks; the engine first closes its handles (op ``release``).
+
+        Call before the engine's weights are released (the call needs a sync fence) and at shutdown
+        (``notify=False``: the engine's processes are gone or going). The next sync allocates again.
+        """
+        if notify and any(b is not None for b in self._status):
+            headers = [dict(op="release") for _ in range(self.tp_size)]
+            self._call(headers, [None] * self.tp_size)
+        self._buffers = [None] * self.tp_size
+        self._status = [None] * self.tp_size
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+    def reset(self) -> None:
+        """Forget the engine's state after a restart (new plan, new handles); keeps nothing shared."""
+        self.release(notify=False)
+        self.key = uuid.uuid4().hex
+        self.covered, self._layouts, self.reason = None, None, ""
+
+
+def _gather(pieces, held: Dict[str, torch.Tensor], buf: torch.Tensor) -> None:
+    """Write ``pieces`` of the sources in ``held`` into ``buf`` (one batched copy where possible)."""
+    dsts, srcs = [], []
+    for pc in pieces:
+        ch = pc.chunk
+        t = held[ch.name]
+        if not t.is_contiguous():
+            t = held[ch.name] = t.contiguous()
+        srcs.append(t.as_strided(ch.sizes, ch.strides, t.storage_offset() + ch.offset))
+        dsts.append(buf[pc.start : pc.end].view(dtype_of(ch.dtype)).view(ch.sizes))
+    dtype, device = dsts[0].dtype, buf.device
+    uniform = all(s.dtype == dtype and s.device == device for s in srcs)
+    tiles = all(a.end == b.start for a, b in zip(pieces, pieces[1:])) and pieces[0].start == 0
+    if uniform and tiles and all(d.dtype == dtype for d in dsts) and all(s.is_contiguous() for s in srcs):
+        torch.cat([s.reshape(-1) for s in srcs], out=buf[: pieces[-1].end].view(dtype))
+    elif uniform:
+        torch._foreach_copy_(dsts, srcs)
+    else:
+        for d, s in zip(dsts, srcs):
+            d.copy_(s, non_blocking=True)

@@ -1,0 +1,328 @@
+"""The fast-path loader that runs inside SGLang's scheduler (one process per TP rank).
+
+SGLang 0.5.10 calls ``load_weights(model, named_tensors)`` from
+``ModelRunner.update_weights_from_tensor`` (``sglang/srt/model_executor/model_runner.py``) when the
+engine was launched with ``custom_weight_loader=["sgl_rollout.weight_sync.receiver.load_weights"]``
+and the request's ``load_format`` is that same path; ``named_tensors`` is what the sender pickled
+for this rank, each tensor passed through ``.to(current device)``. SGLang ignores the return value.
+
+An exception here would kill the scheduler and, through its SIGQUIT, the trainer, so
+:func:`load_weights` catches everything and answers in a *status block*: a small CUDA buffer the
+sender owns and shares in every payload (:mod:`.plan` documents its layout). The sender reads it
+after every call and raises on failure.
+
+Requests (the payload's first item is ``(header JSON, bucket buffer)``, the second
+``(STATUS_NAME, status block)``):
+
+* ``plan``: compute the copy plan from the manifest in the header, by running the model's own
+  ``load_weights`` on meta tensors under a dispatch mode that records each ``copy_`` into a
+  parameter instead of doing it (:class:`_CopyTracer`); answer the chunks, or why the model's
+  layout is not covered (a write that is not a plain copy from the source, a dtype view, a
+  broadcast, a non-contiguous destination).
+* ``copy``: scatter bucket ``b`` of a plan from the buffer into the parameters: one
+  ``torch.split_with_sizes_copy`` when the bucket's pieces tile the buffer, else one
+  ``torch._foreach_copy_``; then synchronize, so the sender may overwrite the buffer.
+* ``load``: rebuild ``(name, tensor)`` views of the buffer from the header's metadata and run the
+  model's own ``load_weights`` (the fallback for partial syncs and layouts the plan does not cover).
+* ``digest``: SHA-256 of every parameter's bytes, by SGLang parameter name (tests, debugging).
+* ``release``: drop this process's references to the sender's buffer and status block, closing the
+  IPC mappings so the sender's memory can be freed.
+
+The buffer and status block stay referenced between calls, so torch's IPC cache
+(``torch/multiprocessing/reductions.py``, ``storage_from_cache``) re-opens their handles for free;
+a cached handle also skips torch's IPC event wait, which is why the sender synchronizes its stream
+before each call and this module before it returns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import logging
+import traceback
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .plan import FAILED, OK, STATUS_NAME, Chunk, encode_status, layout, parse_header, dtype_of
+
+logger = logging.getLogger(__name__)
+
+#: Tensors of the sender kept referenced (IPC handles stay open), by the sender's key.
+_SHARED: Dict[str, torch.Tensor] = {}
+#: Plans of this process (this TP rank), by plan id.
+_PLANS: Dict[str, "_ReceiverPlan"] = {}
+
+
+class _Uncovered(Exception):
+    """The model's loader does something the copy plan cannot express."""
+
+
+def load_weights(model, named_tensors) -> None:
+    """SGLang's custom weight loader entry point; never raises.
+
+    Args:
+        model: SGLang's model (``ModelRunner.model``) of this TP rank.
+        named_tensors: list of ``(name, tensor)``: the request header and buffer, then the status block.
+    """
+    status: Optional[torch.Tensor] = None
+    seq = -1
+    try:
+        header, buffer, status = _unpack(named_tensors)
+        seq = int(header["seq"])
+        _SHARED[header["key"]] = buffer
+        _SHARED[header["key"] + "/status"] = status
+        if header.get("fault") == "raise":  # test hook: exercise the failure path in the scheduler
+            raise RuntimeError("fault injected by the sender (test)")
+        op = header["op"]
+        if op == "plan":
+            body = _make_plan(model, header)
+        elif op == "copy":
+            body = _copy(buffer, header)
+        elif op == "load":
+            body = _load(model, buffer, header)
+        elif op == "release":
+            body = {}
+        elif op == "digest":
+            body = _digest(model)
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()  # the sender may reuse the buffer now
+        _answer(status, seq, OK, body)
+        if op == "release":
+            _SHARED.pop(header["key"], None)
+            _SHARED.pop(header["key"] + "/status", None)
+    except BaseException as exc:  # noqa: BLE001 - anything escaping kills the scheduler and the trainer
+        logger.error("sgl_rollout fast-path loader failed: %s\n%s", exc, traceback.format_exc())
+        try:
+            if status is not None:
+                _answer(status, seq, FAILED, {"error": f"{type(exc).__name__}: {exc}"[:4000]})
+        except BaseException:  # noqa: BLE001
+            logger.error("sgl_rollout: could not write the failure status:\n%s", traceback.format_exc())
+
+
+def _unpack(named_tensors) -> Tuple[dict, torch.Tensor, torch.Tensor]:
+    items = list(named_tensors)
+    if len(items) != 2 or items[1][0] != STATUS_NAME:
+        raise ValueError(f"expected [(header, buffer), ({STATUS_NAME!r}, status)], got {len(items)} items")
+    header = parse_header(items[0][0])
+    buffer, status = items[0][1], items[1][1]
+    if status.dtype != torch.uint8 or buffer.dtype != torch.uint8:
+        raise ValueError("buffer and status block must be uint8")
+    return header, buffer, status
+
+
+def _answer(status: torch.Tensor, seq: int, code: int, body: dict) -> None:
+    raw = encode_status(seq, code, body)
+    src = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    status[: len(raw)].copy_(src)
+    if status.is_cuda:
+        torch.cuda.current_stream(status.device).synchronize()
+
+
+# ----------------------------------------------------------------- plan
+class _CopyTracer(TorchDispatchMode):
+    """Records ``copy_`` from the meta source buffer into parameters, and does not perform it.
+
+    Any other write to a parameter, or a copy into one from anything but a plain view of the
+    source buffer, makes the layout uncovered (and is skipped too: the trace must not change a
+    weight).
+    """
+
+    def __init__(self, src_flat: torch.Tensor, entries: List[list], starts: List[int], param_of: Dict[int, int]):
+        super().__init__()
+        self.src_storage = src_flat.untyped_storage()._cdata
+        self.entries, self.starts, self.param_of = entries, starts, param_of
+        self.records: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.problems: List[str] = []
+
+    def _param(self, t) -> Optional[int]:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            return self.param_of.get(t.untyped_storage().data_ptr())
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.copy_.default and self._param(args[0]) is not None:
+            dst, src = args[0], args[1]
+            if not (isinstance(src, torch.Tensor) and src.device.type == "meta"
+                    and src.untyped_storage()._cdata == self.src_storage):
+                self.problems.append(f"copy into a parameter from a derived tensor ({getattr(src, 'dtype', src)})")
+            else:
+                self.records.append((dst.detach(), src.detach(), self._param(dst)))
+            return dst
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                val = args[i] if i < len(args) else kwargs.get(arg.name)
+                if self._param(val) is not None:
+                    self.problems.append(f"{func} writes a parameter")
+                    return val
+        return func(*args, **kwargs)
+
+
+class _ReceiverPlan:
+    """Per-bucket scatter lists of one plan on this rank."""
+
+    def __init__(self, params: List[torch.Tensor], chunks: List[Chunk], bucket_bytes: int):
+        self.params = params
+        self.ptrs = [p.data_ptr() for p in params]
+        self.buckets = [_BucketScatter(params, pieces) for pieces in layout(chunks, bucket_bytes)]
+
+    def check_params(self) -> None:
+        moved = [i for i, p in enumerate(self.params) if p.data_ptr() != self.ptrs[i]]
+        if moved:
+            raise RuntimeError(f"{len(moved)} parameters moved since the plan was made; make a new plan")
+
+
+class _BucketScatter:
+    def __init__(self, params: List[torch.Tensor], pieces) -> None:
+        merged: List[list] = []  # [buffer start, buffer end, param index, dst byte start]
+        for pc in pieces:
+            ch = pc.chunk
+            p = params[ch.param]
+            dst0 = ch.dst_offset * p.element_size()
+            if merged and merged[-1][2] == ch.param and merged[-1][1] == pc.start and \
+                    merged[-1][3] + (merged[-1][1] - merged[-1][0]) == dst0:
+                merged[-1][1] = pc.end
+            else:
+                merged.append([pc.start, pc.end, ch.param, dst0])
+        self.total = merged[-1][1] if merged else 0
+        tiles = sum(e - s for s, e, _, _ in merged) == self.total
+        width = 1
+        for w in (8, 4, 2):
+            if all(s % w == 0 and e % w == 0 and
+                   (params[pi].storage_offset() * params[pi].element_size() + d) % w == 0 for s, e, pi, d in merged):
+                width = w
+                break
+        wdtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
+        self.wdtype, self.width, self.tiles = wdtype, width, tiles
+        self.sizes = [(e - s) // width for s, e, _, _ in merged]
+        self.starts = [s // width for s, _, _, _ in merged]
+        self.outs = []
+        for s, e, pi, d in merged:
+            flat = params[pi].data.reshape(-1).view(torch.uint8)
+            self.outs.append(flat[d : d + (e - s)].view(wdtype))
+        self.n_pieces = len(pieces)
+
+    def scatter(self, buffer: torch.Tensor) -> None:
+        if buffer.numel() < self.total:
+            raise ValueError(f"buffer of {buffer.numel()} bytes < bucket's {self.total}")
+        src = buffer[: self.total].view(self.wdtype)
+        if self.tiles:
+            torch.split_with_sizes_copy(src, self.sizes, out=self.outs)
+        else:
+            torch._foreach_copy_(self.outs, [src[s : s + n] for s, n in zip(self.starts, self.sizes)])
+
+
+def trace_chunks(model, entries: List[list]) -> Tuple[List[torch.Tensor], List[Chunk]]:
+    """Run ``model.load_weights`` on meta tensors of ``entries`` and return (parameters, chunks).
+
+    Args:
+        model: an SGLang model (any ``torch.nn.Module`` with ``load_weights(iterable of (name, tensor))``).
+        entries: ``[[HF name, dtype name, shape], ...]``.
+
+    Returns:
+        the model's parameters (``named_parameters()`` order) and the chunks sorted by destination.
+
+    Raises:
+        _Uncovered: the loader does something a plan cannot express (the message says what).
+    """
+    params = [p for _, p in model.named_parameters()]
+    param_of: Dict[int, int] = {}
+    for i, p in enumerate(params):
+        param_of.setdefault(p.untyped_storage().data_ptr(), i)
+    starts, total = [], 0
+    for _name, dt, shape in entries:
+        starts.append(total)
+        n = dtype_of(dt).itemsize
+        for d in shape:
+            n *= int(d)
+        total += (n + 63) // 64 * 64
+    flat = torch.empty(max(total, 1), dtype=torch.uint8, device="meta")
+    views = [(name, flat[s : s + _nbytes(dt, shape)].view(dtype_of(dt)).view(shape))
+             for (name, dt, shape), s in zip(entries, starts)]
+    tracer = _CopyTracer(flat, entries, starts, param_of)
+    with torch.no_grad(), tracer:
+        model.load_weights(views)
+    if tracer.problems:
+        raise _Uncovered("; ".join(sorted(set(tracer.problems)))[:2000])
+    chunks = [_chunk(dst, src, pi, params[pi], entries, starts) for dst, src, pi in tracer.records]
+    return params, _dedup(chunks)
+
+
+def _nbytes(dt: str, shape) -> int:
+    n = dtype_of(dt).itemsize
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _chunk(dst: torch.Tensor, src: torch.Tensor, pi: int, param: torch.Tensor, entries, starts) -> Chunk:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise _Uncovered(f"broadcasting copy {tuple(src.shape)} -> {tuple(dst.shape)}")
+    if not dst.is_contiguous() or not param.is_contiguous():
+        raise _Uncovered("copy into a non-contiguous parameter range")
+    pos = src.storage_offset() * src.element_size()
+    k = bisect.bisect_right(starts, pos) - 1
+    name, dt, _shape = entries[k]
+    if dtype_of(dt) != src.dtype or (pos - starts[k]) % src.element_size():
+        raise _Uncovered(f"{name}: loaded through a view of another dtype")
+    rel = dst.storage_offset() - param.storage_offset()
+    if rel < 0 or rel + dst.numel() > param.numel():
+        raise _Uncovered(f"{name}: copy outside its parameter")
+    return Chunk(name, (pos - starts[k]) // src.element_size(), tuple(src.shape), tuple(src.stride()),
+                 str(dst.dtype).removeprefix("torch."), pi, rel)
+
+
+def _dedup(chunks: List[Chunk]) -> List[Chunk]:
+    """Sort by destination; of two chunks writing the same range the later wins (as in load_weights)."""
+    last: Dict[Tuple[int, int, int], int] = {}
+    for i, c in enumerate(chunks):
+        last[(c.param, c.dst_offset, c.numel)] = i
+    kept = sorted((chunks[i] for i in last.values()), key=lambda c: (c.param, c.dst_offset))
+    for a, b in zip(kept, kept[1:]):
+        if a.param == b.param and a.dst_offset + a.numel > b.dst_offset:
+            raise _Uncovered(f"{a.name} and {b.name} write overlapping ranges")
+    return kept
+
+
+def _make_plan(model, header: dict) -> dict:
+    entries = header["manifest"]
+    try:
+        params, chunks = trace_chunks(model, entries)
+        plan = _ReceiverPlan(params, chunks, int(header["bucket_bytes"]))
+    except _Uncovered as exc:
+        logger.info("sgl_rollout: model layout not covered by the copy plan (%s)", exc)
+        return {"covered": False, "reason": str(exc)}
+    _PLANS[header["plan_id"]] = plan
+    return {"covered": True, "chunks": [c.to_list() for c in chunks],
+            "pieces": [b.n_pieces for b in plan.buckets], "copies": [len(b.sizes) for b in plan.buckets]}
+
+
+def _copy(buffer: torch.Tensor, header: dict) -> dict:
+    plan = _PLANS.get(header["plan_id"])
+    if plan is None:
+        raise KeyError(f"unknown plan {header['plan_id']} (the engine restarted?)")
+    b = int(header["bucket"])
+    if b < 0:  # this rank has fewer buckets than another: nothing to copy in this call
+        return {}
+    if b == 0:
+        plan.check_params()
+    plan.buckets[b].scatter(buffer)
+    return {}
+
+
+def _load(model, buffer: torch.Tensor, header: dict) -> dict:
+    views = [(name, buffer[s:e].view(dtype_of(dt)).view(shape)) for name, dt, shape, s, e in header["meta"]]
+    model.load_weights(views)
+    return {}
+
+
+def _digest(model) -> dict:
+    out = {}
+    for name, p in model.named_parameters():
+        raw = p.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if p.numel() else b""
+        out[name] = hashlib.sha256(raw).hexdigest()
+    return {"digest": out}

@@ -1,0 +1,333 @@
+"""Fast-path weight sync on CPU: the copy plan, the persistent buffer protocol, fallback and failures.
+
+The engine double below does what SGLang 0.5.10 does with a ``custom_weight_loader`` request
+(``tp_worker.update_weights_from_tensor`` -> ``ModelRunner.update_weights_from_tensor``): each rank's
+payload is unpickled by SGLang's own ``MultiprocessingSerializer`` (its SafeUnpickler), each tensor
+moved with ``.to(device)``, and the loader named by ``load_format`` is imported and called with
+``(model, named_tensors)``. The models are SGLang-shaped doubles (fused ``qkv_proj`` and
+``gate_up_proj``, TP shards, vocab padding, tied embeddings, q/k bias, q/k norm) whose
+``load_weights`` narrows and copies the way SGLang's weight loaders do. The same checks run against
+the real SGLang models on a GPU in ``tests/gpu/test_fast_path_gpu.py``.
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from _sglang_cpu import ensure_sglang_importable
+from sgl_rollout.config import FAST_SYNC_LOADER
+from sgl_rollout.weight_sync import plan as plan_mod
+from sgl_rollout.weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
+from sgl_rollout.weight_sync.plan import Chunk, layout
+from sgl_rollout.weight_sync.sender import FastPathError, FastPathSender
+
+H, INTER, HEADS, KV, HD, VOCAB, LAYERS = 32, 48, 4, 2, 8, 50, 2
+
+
+def hf_weights(tie=False, bias=False, qk_norm=False, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = {"model.embed_tokens.weight": torch.randn(VOCAB, H, generator=g)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = torch.randn(HEADS * HD, H, generator=g)
+        w[p + "self_attn.k_proj.weight"] = torch.randn(KV * HD, H, generator=g)
+        w[p + "self_attn.v_proj.weight"] = torch.randn(KV * HD, H, generator=g)
+        if bias:
+            for x, n in (("q", HEADS), ("k", KV), ("v", KV)):
+                w[p + f"self_attn.{x}_proj.bias"] = torch.randn(n * HD, generator=g)
+        w[p + "self_attn.o_proj.weight"] = torch.randn(H, HEADS * HD, generator=g)
+        if qk_norm:
+            w[p + "self_attn.q_norm.weight"] = torch.randn(HD, generator=g)
+            w[p + "self_attn.k_norm.weight"] = torch.randn(HD, generator=g)
+        w[p + "mlp.gate_proj.weight"] = torch.randn(INTER, H, generator=g)
+        w[p + "mlp.up_proj.weight"] = torch.randn(INTER, H, generator=g)
+        w[p + "mlp.down_proj.weight"] = torch.randn(H, INTER, generator=g)
+        w[p + "input_layernorm.weight"] = torch.randn(H, generator=g)
+        w[p + "post_attention_layernorm.weight"] = torch.randn(H, generator=g)
+    w["model.norm.weight"] = torch.randn(H, generator=g)
+    if not tie:
+        w["lm_head.weight"] = torch.randn(VOCAB, H, generator=g)
+    return [(k, v.to(dtype)) for k, v in w.items()]
+
+
+class SGLangShaped(nn.Module):
+    """An SGLang-like model of one TP rank: fused, sharded, vocab-padded parameters."""
+
+    def __init__(self, tp_rank=0, tp_size=1, tie=False, bias=False, qk_norm=False, uncovered=False):
+        super().__init__()
+        self.r, self.tp, self.tie, self.uncovered = tp_rank, tp_size, tie, uncovered
+        pad_vocab = (VOCAB + 63) // 64 * 64
+        self.vshard = pad_vocab // tp_size
+        z = lambda *s: nn.Parameter(torch.zeros(*s, dtype=torch.bfloat16), requires_grad=False)  # noqa: E731
+        self.embed = z(self.vshard, H)
+        self.layers = nn.ModuleList()
+        q, kv = HEADS * HD // tp_size, KV * HD // tp_size
+        for _ in range(LAYERS):
+            layer = nn.Module()
+            layer.qkv = z(q + 2 * kv, H)
+            if bias:
+                layer.qkv_bias = z(q + 2 * kv)
+            layer.o = z(H, HEADS * HD // tp_size)
+            if qk_norm:
+                layer.q_norm, layer.k_norm = z(HD), z(HD)
+            layer.gate_up = z(2 * INTER // tp_size, H)
+            layer.down = z(H, INTER // tp_size)
+            layer.ln1, layer.ln2 = z(H), z(H)
+            self.layers.append(layer)
+        self.norm = z(H)
+        self.lm_head = self.embed if tie else z(self.vshard, H)
+
+    def load_weights(self, weights):
+        q, kv, it = HEADS * HD // self.tp, KV * HD // self.tp, INTER // self.tp
+        for name, w in weights:
+            if self.tie and name == "lm_head.weight":
+                continue
+            if name in ("model.embed_tokens.weight", "lm_head.weight"):
+                param = self.embed if name.startswith("model") else self.lm_head
+                start = self.r * self.vshard
+                n = max(0, min(VOCAB - start, self.vshard))
+                param.data[:n].copy_(w.narrow(0, start, n))
+                continue
+            if name == "model.norm.weight":
+                self.norm.data.copy_(w)
+                continue
+            i, rest = int(name.split(".")[2]), ".".join(name.split(".")[3:])
+            layer = self.layers[i]
+            if rest.startswith("self_attn.") and rest[10] in "qkv" and rest[11:17] == "_proj.":
+                x, kind = rest[10], rest[17:]
+                size = q if x == "q" else kv
+                off = {"q": 0, "k": q, "v": q + kv}[x]
+                param = layer.qkv if kind == "weight" else layer.qkv_bias
+                param.data.narrow(0, off, size).copy_(w.narrow(0, self.r * size, size))
+            elif rest == "self_attn.o_proj.weight":
+                layer.o.data.copy_(w.narrow(1, self.r * q, q))
+            elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+                off = 0 if "gate" in rest else it
+                layer.gate_up.data.narrow(0, off, it).copy_(w.narrow(0, self.r * it, it))
+            elif rest == "mlp.down_proj.weight":
+                layer.down.data.copy_(w.narrow(1, self.r * it, it))
+            elif rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+                getattr(layer, rest[10] + "_norm").data.copy_(w)
+            elif rest == "input_layernorm.weight":
+                layer.ln1.data.copy_(w)
+                if self.uncovered:
+                    layer.ln1.data.add_(1)  # a loader that does more than copy
+            elif rest == "post_attention_layernorm.weight":
+                layer.ln2.data.copy_(w)
+            else:
+                raise KeyError(name)
+
+
+class SGLangLikeEngine:
+    """``update_weights_from_tensor`` as SGLang's TP workers and model runner run it."""
+
+    def __init__(self, models):
+        ensure_sglang_importable()
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        self.models, self.ser = models, MultiprocessingSerializer
+        self.loader_calls = 0
+        self.flushes = 0
+
+    def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=False):
+        from sglang.srt.utils import dynamic_import
+
+        assert load_format == FAST_SYNC_LOADER
+        for model, payload in zip(self.models, payloads):
+            named = [(n, t.to("cpu")) for n, t in self.ser.deserialize(payload)]
+            self.loader_calls += 1
+            dynamic_import(load_format)(model, named)  # SGLang ignores what it returns
+        return True, "Success"
+
+    def flush_cache(self):
+        self.flushes += 1
+
+
+def manifest_of(weights):
+    return WeightManifest.from_named_tensors(weights)
+
+
+def reference(tp_size, weights, **kw):
+    models = [SGLangShaped(r, tp_size, **{k: v for k, v in kw.items() if k != "uncovered"}) for r in range(tp_size)]
+    for m in models:
+        m.load_weights(weights)
+    return models
+
+
+def assert_same_params(models, refs):
+    for m, ref in zip(models, refs):
+        for (n, a), (_, b) in zip(m.named_parameters(), ref.named_parameters()):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), n  # bit for bit, whole tensors
+
+
+@pytest.mark.parametrize("tp_size,tie,bias,qk_norm", [
+    (1, False, False, False),   # Llama, untied
+    (1, True, False, False),    # Llama, tied embeddings
+    (2, False, True, False),    # Qwen2-like (q/k/v bias), TP=2 (strided o_proj/down_proj shards, vocab padding)
+    (2, True, False, True),     # Qwen3-like (q/k norm), tied, TP=2
+])
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 3000])  # one bucket; many buckets with rows split between them
+def test_fast_path_equals_load_weights_bit_for_bit(tp_size, tie, bias, qk_norm, bucket_bytes):
+    kw = dict(tie=tie, bias=bias, qk_norm=qk_norm)
+    models = [SGLangShaped(r, tp_size, **kw) for r in range(tp_size)]
+    engine = SGLangLikeEngine(models)
+    w0 = hf_weights(seed=0, **kw)
+    sender = FastPathSender(engine, manifest_of(w0), bucket_bytes, devices=["cpu"] * tp_size)
+    for seed in (1, 2):  # two syncs through the same plan and buffers
+        weights = hf_weights(seed=seed, **kw)
+        stats = sender.send(iter(weights), validator=SyncValidator(manifest_of(w0)))
+        assert sender.covered, sender.reason
+        assert_same_params(models, reference(tp_size, weights, **kw))
+    assert stats.n_tensors == len(weights) and engine.flushes == 2
+    if bucket_bytes == 3000:
+        assert stats.n_buckets > 5 and stats.max_bucket_bytes <= 3000
+    # the plan's pieces of each bucket are merged into fewer copies on the receiving side
+    assert sum(len(b) for b in sender._layouts[0]) >= stats.n_buckets
+
+
+def test_fp32_trainer_weights_are_cast_like_load_weights():
+    models = [SGLangShaped()]
+    engine = SGLangLikeEngine(models)
+    w = hf_weights(dtype=torch.float32, seed=3)
+    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    assert sender.covered
+    assert_same_params(models, reference(1, w))
+
+
+def test_out_of_order_stream_is_held_until_its_bucket():
+    models = [SGLangShaped()]
+    engine = SGLangLikeEngine(models)
+    w = hf_weights(seed=4)
+    sender = FastPathSender(engine, manifest_of(w), 4000, devices=["cpu"])
+    sender.send(list(reversed(w)))
+    assert_same_params(models, reference(1, w))
+
+
+def test_uncovered_layout_falls_back_to_load_weights_and_says_why():
+    models = [SGLangShaped(uncovered=True)]
+    engine = SGLangLikeEngine(models)
+    w = hf_weights(seed=5)
+    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    assert sender.covered is False and "writes a parameter" in sender.reason
+    ref = SGLangShaped(uncovered=True)
+    ref.load_weights(w)
+    assert_same_params(models, [ref])  # the trace changed nothing; the fallback loaded like SGLang
+
+
+def test_loader_failure_raises_in_the_sender_and_a_retry_succeeds():
+    models = [SGLangShaped()]
+    engine = SGLangLikeEngine(models)
+    w = hf_weights(seed=6)
+    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    w2 = hf_weights(seed=7)
+    sender.fault = "raise"
+    with pytest.raises(FastPathError, match="fault injected"):
+        sender.send(w2)
+    sender.send(w2)
+    assert_same_params(models, reference(1, w2))
+
+
+def test_a_loader_that_never_ran_is_reported():
+    class Deaf(SGLangLikeEngine):
+        def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=False):
+            return True, "Success"  # e.g. the loader is not registered and SGLang did something else
+
+    w = hf_weights()
+    sender = FastPathSender(Deaf([SGLangShaped()]), manifest_of(w), 1 << 20, devices=["cpu"])
+    with pytest.raises(FastPathError, match="did not answer"):
+        sender.send(w)
+
+
+def test_missing_and_bad_weights_refused_before_their_bucket():
+    models = [SGLangShaped()]
+    engine = SGLangLikeEngine(models)
+    w = hf_weights(seed=8)
+    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    before = copy.deepcopy(models[0].state_dict())
+    calls = engine.loader_calls
+    with pytest.raises(SyncValidationError, match="without"):
+        sender.send(w[:-3])  # a full sync lacking weights: the one bucket is never sent
+    bad = [(n, t[:1] if n.endswith("down_proj.weight") else t) for n, t in hf_weights(seed=9)]
+    with pytest.raises(SyncValidationError, match="shape"):
+        sender.send(bad, validator=SyncValidator(manifest_of(w)))
+    assert engine.loader_calls == calls
+    for k, v in models[0].state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_partial_sync_goes_through_load_weights():
+    models = [SGLangShaped()]
+    engine = SGLangLikeEngine(models)
+    w = hf_weights(seed=10)
+    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    part = [(n, t) for n, t in hf_weights(seed=11) if "layers.1." in n]
+    sender.send(part, partial=True)
+    assert_same_params(models, reference(1, w + part))
+
+
+def test_release_closes_and_the_next_sync_reopens():
+    models = [SGLangShaped()]
+    engine = SGLangLikeEngine(models)
+    w = hf_weights(seed=12)
+    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    from sgl_rollout.weight_sync import receiver
+
+    assert any(k.startswith(sender.key) for k in receiver._SHARED)
+    sender.release()
+    assert not any(k.startswith(sender.key) for k in receiver._SHARED)
+    assert sender._buffers == [None]
+    w2 = hf_weights(seed=13)
+    sender.send(w2)
+    assert_same_params(models, reference(1, w2))
+
+
+def test_layout_splits_rows_and_covers_every_element_once():
+    chunks = [Chunk("a", 0, (10, 4), (4, 1), "bfloat16", 0, 0), Chunk("b", 3, (7, 3), (8, 2), "float32", 1, 5)]
+    buckets = layout(chunks, 64)
+    assert all(plan_mod.bucket_size(b) <= 64 for b in buckets)
+    rows = {"a": 0, "b": 0}
+    for pieces in buckets:
+        for pc in pieces:
+            assert pc.start % plan_mod.PIECE_ALIGN == 0
+            rows[pc.chunk.name] += pc.chunk.sizes[0]
+    assert rows == {"a": 10, "b": 7}
+    with pytest.raises(ValueError, match="one row"):
+        layout(chunks, 8)
+
+
+def test_header_and_status_roundtrip():
+    name = plan_mod.header_name({"op": "copy", "bucket": 3})
+    assert plan_mod.parse_header(name)["bucket"] == 3
+    raw = plan_mod.encode_status(7, plan_mod.OK, {"x": [1, 2]})
+    assert plan_mod.decode_header(raw)[:2] == (7, plan_mod.OK)
+    with pytest.raises(ValueError):
+        plan_mod.parse_header("model.layers.0.weight")
+
+
+def test_orders_of_rank_and_bucket_do_not_matter_for_the_result():
+    # every rank's layout differs (replicated norms vs sharded matrices); buckets are sent in step
+    w = hf_weights(seed=14, bias=True)
+    models = [SGLangShaped(r, 2, bias=True) for r in range(2)]
+    sender = FastPathSender(SGLangLikeEngine(models), manifest_of(w), 2500, devices=["cpu", "cpu"])
+    sender.send(itertools.chain(w))
+    assert_same_params(models, reference(2, w, bias=True))
+
+
+def test_digest_changes_with_the_weights_and_matches_for_equal_weights():
+    models = [SGLangShaped()]
+    sender = FastPathSender(SGLangLikeEngine(models), manifest_of(hf_weights()), 1 << 20, devices=["cpu"])
+    sender.send(hf_weights(seed=1))
+    d1 = sender.digest()
+    sender.send(hf_weights(seed=2), partial=True)
+    assert sender.digest() != d1
+    sender.send(hf_weights(seed=1), partial=True)
+    assert sender.digest() == d1 and len(d1[0]) == len(list(models[0].parameters()))
