@@ -27,7 +27,7 @@ import torch
 
 from .config import RolloutConfig
 from .engine import Generation, RolloutEngine
-from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache
+from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache, freeze_long_lived
 from .weight_sync import SyncStats, send_flattened_buckets
 from .weight_sync.bucket import NamedTensor
 from .weight_sync.sender import FastPathSender
@@ -65,6 +65,9 @@ class RolloutWorker:
         self._fast_off_logged = False
         self._manifest_tried = False
         self.timeline.record("engine_ready")
+        freeze_long_lived()  # torch/SGLang/transformers objects leave later full collections (memory.py)
+        self._frozen_trainer = False
+        self.last_empty_cache: Dict = {}
 
     # ----------------------------------------------------------------- helpers
     def _phase(self, name: str, t0: float) -> float:
@@ -262,13 +265,18 @@ class RolloutWorker:
         if offload_trainer is not None:
             offload_trainer()
             t0 = self._phase("offload_trainer", t0)
-        aggressive_empty_cache()
+        ec = aggressive_empty_cache()
         t0 = self._phase("empty_cache", t0)
+        self.last_phase_seconds.update(ec.phase_seconds())  # empty_cache.gc / .empty_cache / .synchronize ...
+        self.last_empty_cache = ec.to_dict()
         rest = [t for t in (KV_CACHE, CUDA_GRAPH) if t in self.engine.state.released]
         if rest:
             self.engine.resume(rest)
             self._phase("resume_kv_cache", t0)
         self.last_phase_seconds["switch_total"] = time.perf_counter() - t_start
+        if not self._frozen_trainer:  # the trainer's model and optimizer exist now: freeze them too, once
+            freeze_long_lived()
+            self._frozen_trainer = True
         logger.info(
             "weight sync: %d tensors, %d buckets, %.1f MB in %.1f ms (%.1f GB/s)",
             stats.n_tensors, stats.n_buckets, stats.bytes / 1e6, stats.seconds * 1e3, stats.gb_per_s,
