@@ -5,8 +5,10 @@ Without it a sync first gathers every full weight (FSDP1's ``summon_full_params`
 moving a CPU-offloaded model back to the GPU), so the trainer needs room for a second full copy of
 the weights next to its own shards. verl's ``layered_summon`` (``verl/utils/fsdp_utils.py``,
 ``layered_summon_lora_params``; wired through ``verl/workers/engine/fsdp/transformer_impl.py``
-``get_per_tensor_param``) summons one FSDP unit at a time instead. Here the same idea works for any
-model layout, with Hugging Face names:
+``get_per_tensor_param``) summons one FSDP unit at a time instead (in verl 0.9.1 only for LoRA
+parameters; its FSDP2 path for full weights already calls ``full_tensor()`` per parameter lazily,
+but no bucket boundary follows the layers). Here the same idea works for any model layout, with
+Hugging Face names:
 
 * FSDP2 (``torch.distributed.fsdp.fully_shard``; parameters are ``DTensor``): each parameter is
   all-gathered with ``DTensor.full_tensor()`` only when the consumer asks for it;
@@ -23,6 +25,9 @@ time), the trainer's extra memory during a sync is at most
 
     (tensors of one bucket, never more than one layer) + (one flat bucket buffer)
     + (one tensor of look-ahead: ``iter_buckets`` reads the next tensor before it yields a bucket)
+
+bytes of device memory (a tensor larger than a bucket travels alone, so "one bucket" is at least the
+largest tensor; allocator rounding and a padded all-gather buffer for unevenly sharded dims come on top)
 
 instead of a full copy of the weights (:func:`iter_all_at_once`, the comparison). The gathers are
 issued lazily, per tensor, rather than a whole layer at a time: gathering layer L+1 as soon as its
@@ -47,8 +52,8 @@ DeviceLike = Union[int, str, torch.device, None]
 
 #: Name segments that wrappers insert between a model's own module names: torch.compile's
 #: ``OptimizedModule`` (``_orig_mod``), FSDP1 (``_fsdp_wrapped_module``), activation checkpointing
-#: (``_checkpoint_wrapped_module``, torch's ``checkpoint_wrapper``) and torch's ``_dmp_wrapped_module``.
-WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_dmp_wrapped_module")
+#: (``_checkpoint_wrapped_module``, torch's ``checkpoint_wrapper``).
+WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 _WRAPPER_RE = re.compile(r"(?:^|(?<=\.))(?:" + "|".join(WRAPPER_SEGMENTS) + r")\.")
 #: ``<prefix>.<stack>.<index>.`` where the stack is a decoder stack's usual Hugging Face name
 #: (``model.layers.3.`` Llama/Qwen/Mistral, ``transformer.h.3.`` GPT-2, ``blocks.3.``, ``layer.3.``);
