@@ -90,6 +90,7 @@ class SGLangShaped(nn.Module):
                 start = self.r * self.vshard
                 n = max(0, min(VOCAB - start, self.vshard))
                 param.data[:n].copy_(w.narrow(0, start, n))
+                param.data[n:].fill_(0)  # padding rows zeroed, as SGLang's VocabParallelEmbedding does
                 continue
             if name == "model.norm.weight":
                 self.norm.data.copy_(w)
@@ -195,6 +196,20 @@ def test_fp32_trainer_weights_are_cast_like_load_weights():
     sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
     sender.send(w)
     assert sender.covered
+    assert_same_params(models, reference(1, w))
+
+
+def test_constant_fills_are_replayed_every_sync():
+    # after a level-2 release the weights come back undefined: the padding rows must be zeroed again
+    models = [SGLangShaped()]
+    w = hf_weights(seed=15)
+    sender = FastPathSender(SGLangLikeEngine(models), manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    assert sender.covered
+    with torch.no_grad():
+        for p in models[0].parameters():
+            p.fill_(float("nan"))  # "undefined" memory after a resume without a CPU backup
+    sender.send(w)
     assert_same_params(models, reference(1, w))
 
 
@@ -331,3 +346,13 @@ def test_digest_changes_with_the_weights_and_matches_for_equal_weights():
     assert sender.digest() != d1
     sender.send(hf_weights(seed=1), partial=True)
     assert sender.digest() == d1 and len(d1[0]) == len(list(models[0].parameters()))
+
+
+def test_strided_and_cast_sources_take_the_general_copy():
+    # fp32 sources into bf16 buffers and strided TP shards cannot use torch.cat: same result anyway
+    w = [(n, t.float()) for n, t in hf_weights(seed=16)]
+    models = [SGLangShaped(r, 2) for r in range(2)]
+    sender = FastPathSender(SGLangLikeEngine(models), manifest_of(w), 1 << 20, devices=["cpu", "cpu"])
+    sender.send(w)
+    assert sender.ping() > 0
+    assert_same_params(models, reference(2, w))

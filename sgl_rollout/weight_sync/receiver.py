@@ -24,6 +24,7 @@ Requests (the payload's first item is ``(header JSON, bucket buffer)``, the seco
   ``torch._foreach_copy_``; then synchronize, so the sender may overwrite the buffer.
 * ``load``: rebuild ``(name, tensor)`` views of the buffer from the header's metadata and run the
   model's own ``load_weights`` (the fallback for partial syncs and layouts the plan does not cover).
+* ``noop``: answer only (the sender times a round trip).
 * ``digest``: SHA-256 of every parameter's bytes, by SGLang parameter name (tests, debugging).
 * ``release``: drop this process's references to the sender's buffer and status block, closing the
   IPC mappings so the sender's memory can be freed.
@@ -82,7 +83,7 @@ def load_weights(model, named_tensors) -> None:
             body = _copy(buffer, header)
         elif op == "load":
             body = _load(model, buffer, header)
-        elif op == "release":
+        elif op in ("release", "noop"):
             body = {}
         elif op == "digest":
             body = _digest(model)
@@ -136,6 +137,7 @@ class _CopyTracer(TorchDispatchMode):
         self.src_storage = src_flat.untyped_storage()._cdata
         self.entries, self.starts, self.param_of = entries, starts, param_of
         self.records: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.fills: List[Tuple[torch.Tensor, float, int]] = []  # (destination view, value, parameter index)
         self.problems: List[str] = []
 
     def _param(self, t) -> Optional[int]:
@@ -153,6 +155,10 @@ class _CopyTracer(TorchDispatchMode):
             else:
                 self.records.append((dst.detach(), src.detach(), self._param(dst)))
             return dst
+        if func in (torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default) and self._param(args[0]) is not None:
+            value = 0.0 if func is torch.ops.aten.zero_.default else args[1]
+            self.fills.append((args[0].detach(), float(value), self._param(args[0])))  # e.g. zeroed vocab padding
+            return args[0]
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 val = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -165,8 +171,10 @@ class _CopyTracer(TorchDispatchMode):
 class _ReceiverPlan:
     """Per-bucket scatter lists of one plan on this rank."""
 
-    def __init__(self, params: List[torch.Tensor], chunks: List[Chunk], bucket_bytes: int):
+    def __init__(self, params: List[torch.Tensor], chunks: List[Chunk], bucket_bytes: int,
+                 fills: Optional[List[Tuple[int, int, int, float]]] = None):
         self.params = params
+        self.fills = [(params[pi].data.reshape(-1)[off : off + n], value) for pi, off, n, value in fills or []]
         self.ptrs = [p.data_ptr() for p in params]
         self.buckets = [_BucketScatter(params, pieces) for pieces in layout(chunks, bucket_bytes)]
 
@@ -216,7 +224,7 @@ class _BucketScatter:
             torch._foreach_copy_(self.outs, [src[s : s + n] for s, n in zip(self.starts, self.sizes)])
 
 
-def trace_chunks(model, entries: List[list]) -> Tuple[List[torch.Tensor], List[Chunk]]:
+def trace_chunks(model, entries: List[list]) -> Tuple[List[torch.Tensor], List[Chunk], List[Tuple[int, int, int, float]]]:
     """Run ``model.load_weights`` on meta tensors of ``entries`` and return (parameters, chunks).
 
     Args:
@@ -224,7 +232,9 @@ def trace_chunks(model, entries: List[list]) -> Tuple[List[torch.Tensor], List[C
         entries: ``[[HF name, dtype name, shape], ...]``.
 
     Returns:
-        the model's parameters (``named_parameters()`` order) and the chunks sorted by destination.
+        the model's parameters (``named_parameters()`` order), the chunks sorted by destination, and
+        the loader's constant fills ``(parameter index, element offset, numel, value)`` (SGLang's
+        ``VocabParallelEmbedding.weight_loader`` zeroes the padding rows), which may not overlap a chunk.
 
     Raises:
         _Uncovered: the loader does something a plan cannot express (the message says what).
@@ -248,8 +258,17 @@ def trace_chunks(model, entries: List[list]) -> Tuple[List[torch.Tensor], List[C
         model.load_weights(views)
     if tracer.problems:
         raise _Uncovered("; ".join(sorted(set(tracer.problems)))[:2000])
-    chunks = [_chunk(dst, src, pi, params[pi], entries, starts) for dst, src, pi in tracer.records]
-    return params, _dedup(chunks)
+    chunks = _dedup([_chunk(dst, src, pi, params[pi], entries, starts) for dst, src, pi in tracer.records])
+    fills = []
+    for dst, value, pi in tracer.fills:
+        p = params[pi]
+        if not dst.is_contiguous() or not p.is_contiguous():
+            raise _Uncovered("fill of a non-contiguous parameter range")
+        off, n = dst.storage_offset() - p.storage_offset(), dst.numel()
+        if any(c.param == pi and c.dst_offset < off + n and off < c.dst_offset + c.numel for c in chunks):
+            raise _Uncovered(f"a fill overlaps copied weights of parameter {pi}")
+        fills.append((pi, off, n, value))
+    return params, chunks, fills
 
 
 def _nbytes(dt: str, shape) -> int:
@@ -291,13 +310,13 @@ def _dedup(chunks: List[Chunk]) -> List[Chunk]:
 def _make_plan(model, header: dict) -> dict:
     entries = header["manifest"]
     try:
-        params, chunks = trace_chunks(model, entries)
-        plan = _ReceiverPlan(params, chunks, int(header["bucket_bytes"]))
+        params, chunks, fills = trace_chunks(model, entries)
+        plan = _ReceiverPlan(params, chunks, int(header["bucket_bytes"]), fills)
     except _Uncovered as exc:
         logger.info("sgl_rollout: model layout not covered by the copy plan (%s)", exc)
         return {"covered": False, "reason": str(exc)}
     _PLANS[header["plan_id"]] = plan
-    return {"covered": True, "chunks": [c.to_list() for c in chunks],
+    return {"covered": True, "chunks": [c.to_list() for c in chunks], "fills": len(fills),
             "pieces": [b.n_pieces for b in plan.buckets], "copies": [len(b.sizes) for b in plan.buckets]}
 
 
@@ -310,6 +329,8 @@ def _copy(buffer: torch.Tensor, header: dict) -> dict:
         return {}
     if b == 0:
         plan.check_params()
+        for view, value in plan.fills:  # constant fills of the loader (vocab padding rows), every sync
+            view.fill_(value)
     plan.buckets[b].scatter(buffer)
     return {}
 

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Protocol, 
 
 import torch
 
-from .bucket import NamedTensor, _checked_item, bucket_layout, flatten_bucket, iter_buckets
+from .bucket import ALIGN, NamedTensor, _checked_item, bucket_layout, flatten_bucket, iter_buckets
 from .ipc import serialize
 from .manifest import SyncValidationError
 from .plan import (OK, STATUS_BYTES, STATUS_NAME, Chunk, bucket_size, decode_header, dtype_name, dtype_of, header_name,
@@ -379,15 +379,21 @@ class FastPathSender:
         stats = SyncStats()
         for bucket in iter_buckets(named_tensors, self.bucket_bytes, validator=validator):
             headers, bufs = [], []
+            _, total = bucket_layout(bucket)
+            # one buffer of min(bucket, model) bytes for the whole sync: a buffer replaced while the
+            # engine still holds its handle is not freed, so growing it per bucket would double the peak
+            size = max(total, min(self.bucket_bytes, self._manifest_bytes()))
             for r in range(self.tp_size):
-                _, total = bucket_layout(bucket)
-                flat = flatten_bucket(bucket, device=self.devices[r], out=self._buffer(r, total))
+                flat = flatten_bucket(bucket, device=self.devices[r], out=self._buffer(r, size))
                 headers.append(dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx, m.end_idx]
                                                      for m in flat.metadata]))
                 bufs.append(self._buffers[r])
             self._call(headers, bufs)
             stats.add(flat)
         return stats
+
+    def _manifest_bytes(self) -> int:
+        return sum((spec.nbytes + ALIGN - 1) // ALIGN * ALIGN for spec in self.manifest.specs.values())
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
         layouts = self._layouts
@@ -455,6 +461,12 @@ class FastPathSender:
         stats.n_tensors = seen
         return stats
 
+    def ping(self) -> float:
+        """Seconds of one fast-path round trip that copies nothing (op ``noop``), inside a sync fence."""
+        t0 = time.perf_counter()
+        self._call([dict(op="noop") for _ in range(self.tp_size)], [None] * self.tp_size)
+        return time.perf_counter() - t0
+
     def digest(self) -> List[Dict[str, str]]:
         """SHA-256 of each SGLang parameter's bytes, one dict per TP rank (for bit-exact checks).
 
@@ -486,22 +498,43 @@ class FastPathSender:
         self.covered, self._layouts, self.reason = None, None, ""
 
 
+def _contiguous_in_source(ch: Chunk) -> bool:
+    expect = 1
+    for size, stride in zip(reversed(ch.sizes), reversed(ch.strides)):
+        if size != 1 and stride != expect:
+            return False
+        expect *= size
+    return True
+
+
 def _gather(pieces, held: Dict[str, torch.Tensor], buf: torch.Tensor) -> None:
-    """Write ``pieces`` of the sources in ``held`` into ``buf`` (one batched copy where possible)."""
-    dsts, srcs = [], []
+    """Write ``pieces`` of the sources in ``held`` into ``buf``: one ``torch.cat`` into the buffer
+    when every piece is a contiguous run of a same-dtype source on the buffer's device and the
+    pieces tile the buffer (1-2 tensor ops per piece on the CPU side), else ``_foreach_copy_``
+    (or per-piece ``copy_`` across devices and dtypes)."""
+    srcs, dts = [], []
+    tiles = pieces[0].start == 0
+    prev = 0
     for pc in pieces:
         ch = pc.chunk
         t = held[ch.name]
         if not t.is_contiguous():
             t = held[ch.name] = t.contiguous()
-        srcs.append(t.as_strided(ch.sizes, ch.strides, t.storage_offset() + ch.offset))
-        dsts.append(buf[pc.start : pc.end].view(dtype_of(ch.dtype)).view(ch.sizes))
-    dtype, device = dsts[0].dtype, buf.device
-    uniform = all(s.dtype == dtype and s.device == device for s in srcs)
-    tiles = all(a.end == b.start for a, b in zip(pieces, pieces[1:])) and pieces[0].start == 0
-    if uniform and tiles and all(d.dtype == dtype for d in dsts) and all(s.is_contiguous() for s in srcs):
-        torch.cat([s.reshape(-1) for s in srcs], out=buf[: pieces[-1].end].view(dtype))
-    elif uniform:
+        dt = dtype_of(ch.dtype)
+        if _contiguous_in_source(ch):
+            flat = t.view(-1)
+            srcs.append(flat if ch.offset == 0 and ch.numel == flat.numel() else flat[ch.offset : ch.offset + ch.numel])
+        else:
+            srcs.append(t.as_strided(ch.sizes, ch.strides, t.storage_offset() + ch.offset))
+            tiles = False
+        tiles = tiles and pc.start == prev and t.dtype == dt and t.device == buf.device
+        prev = pc.end
+        dts.append(dt)
+    if tiles and all(d == dts[0] for d in dts):
+        torch.cat(srcs, out=buf[:prev].view(dts[0]))
+        return
+    dsts = [buf[pc.start : pc.end].view(dt).view(s.shape) for pc, dt, s in zip(pieces, dts, srcs)]
+    if all(s.dtype == d.dtype and s.device == d.device for s, d in zip(srcs, dsts)):
         torch._foreach_copy_(dsts, srcs)
     else:
         for d, s in zip(dsts, srcs):

@@ -35,3 +35,14 @@ def pytest_unconfigure(config):
         alive = [f"{t.name}{' (daemon)' if t.daemon else ''}" for t in threading.enumerate()]
         print(f"\nthreads at exit: {alive}", file=sys.stderr)
         faulthandler.dump_traceback_later(60, exit=True)
+
+
+@pytest.fixture(autouse=True)
+def _dump_stacks_if_a_test_hangs():
+    """Print every thread's stack and exit if one GPU test (teardown included) runs past 300 s, so a
+    hang shows where it is instead of ending in the caller's timeout."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(300, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
