@@ -11,7 +11,7 @@ Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 20
 * ``fast_512m``, ``fast_<default>m``: the fast path (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`:
   copy plan, persistent IPC buffer, one batched copy per bucket on each side), with the sender's
   gather / SGLang round trip / status check split of the last run;
-* ``fast_path_round_trip``: one fast-path call that copies nothing (SGLang's request round trip);
+* ``round_trip_fast_path``: one fast-path call that copies nothing (SGLang's request round trip);
 * ``flatten_only_2g``: building 2 GiB flattened buckets, no engine call;
 * ``split_with_sizes_copy``: scattering the same bytes from one buffer into 201 tensors in one kernel;
 * ``d2d_copy``: one device-to-device copy of the same bytes, the physical limit.
@@ -189,7 +189,7 @@ def bench_sync(args) -> Dict:
             "fast_512m": fast(512),
             f"fast_{default_mb}m": fast(default_mb),
             "flatten_only_2g": flatten_only,
-            "fast_path_round_trip": lambda: _ping(engine, senders[default_mb]),
+            "round_trip_fast_path": lambda: _ping(engine, senders[default_mb]),
             "split_with_sizes_copy": lambda: torch.split_with_sizes_copy(flat_all, sizes, out=outs),
             "d2d_copy": lambda: dst.copy_(flat_all),
         }
