@@ -11,9 +11,9 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, List, Literal, Mapping, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # engine_kwargs keys that this config owns: (ServerArgs name -> config key to use instead).
 MANAGED_SERVER_ARGS: Dict[str, str] = {
@@ -29,7 +29,46 @@ MANAGED_SERVER_ARGS: Dict[str, str] = {
     "disable_piecewise_cuda_graph": "(always on: piecewise CUDA graphs are never released)",
     "enforce_piecewise_cuda_graph": "(refused: piecewise CUDA graphs are never released, so sleep would free too little)",
     "custom_sigquit_handler": "(set by sgl-rollout: its handler keeps the trainer alive when the engine dies)",
+    "enable_lora": "lora_rank (> 0 starts the engine with LoRA)",
+    "max_lora_rank": "lora_rank",
+    "lora_target_modules": "lora_target_modules",
+    "max_loras_per_batch": "max_loras",
 }
+
+#: LoRA target modules SGLang 0.5.10 serves (``SUPPORTED_LORA_TARGET_MODULES`` in
+#: ``sglang/srt/utils/common.py``; a test checks the installed SGLang's list).
+SGLANG_LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                              "qkv_proj", "gate_up_proj", "embed_tokens", "lm_head")
+#: What PEFT's ``target_modules="all-linear"`` selects in a decoder LM (every linear layer but the output
+#: layer): the engine serves these. SGLang's own ``"all"`` would also wrap ``embed_tokens`` and ``lm_head``.
+ALL_LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_settings_from_peft(peft_config) -> Dict[str, Any]:
+    """``lora_rank``, ``lora_alpha`` and ``lora_target_modules`` of a PEFT LoRA config.
+
+    Args:
+        peft_config: a ``peft.LoraConfig``, or its ``to_dict()`` (verl passes either; enums and sets
+            as PEFT leaves them are fine).
+
+    Returns:
+        dict for :class:`RolloutConfig` (``RolloutConfig(model_path=..., **lora_settings_from_peft(c))``);
+        ``lora_target_modules`` is ``"all-linear"`` or a sorted list of module names.
+
+    Raises:
+        ValueError: not a LoRA config (``peft_type``), or no ``r``.
+    """
+    d = peft_config if isinstance(peft_config, Mapping) else peft_config.to_dict()
+    peft_type = d.get("peft_type", "LORA")
+    peft_type = str(getattr(peft_type, "value", peft_type))
+    if peft_type.upper() != "LORA":
+        raise ValueError(f"peft_config: peft_type={peft_type!r}; only LORA adapters are served")
+    if not d.get("r"):
+        raise ValueError("peft_config: no rank 'r'")
+    targets = d.get("target_modules") or "all-linear"
+    if not isinstance(targets, str):
+        targets = sorted(targets)
+    return {"lora_rank": int(d["r"]), "lora_alpha": float(d.get("lora_alpha", 8)), "lora_target_modules": targets}
 
 
 #: Dotted path of the fast-path loader that runs inside SGLang's scheduler; SGLang's
@@ -99,6 +138,17 @@ class RolloutConfig(BaseModel):
         validate_sync: check every weight sync against the model's weight manifest (Hugging Face
             names, shapes, dtypes read from ``model_path``; :mod:`sgl_rollout.weight_sync.manifest`)
             before any byte reaches the engine.
+        lora_rank: 0 (default): no LoRA. > 0: the engine starts with LoRA (SGLang ``enable_lora``,
+            ``max_lora_rank``) and serves adapters of up to this rank on top of its base weights
+            (:mod:`sgl_rollout.weight_sync.lora`). :func:`lora_settings_from_peft` reads it from a PEFT config.
+        lora_alpha: the adapters' default ``lora_alpha`` (an adapter's own PEFT config wins).
+        lora_target_modules: modules adapters may target (SGLang ``lora_target_modules``): ``"all-linear"``
+            (PEFT's meaning: q/k/v/o/gate/up/down projections), ``"all"`` (SGLang's: those plus
+            ``embed_tokens`` and ``lm_head``), or a list of names from :data:`SGLANG_LORA_TARGET_MODULES`
+            (a dotted PEFT name such as ``"self_attn.q_proj"`` counts by its last part).
+        max_loras: adapters one batch may use (SGLang ``max_loras_per_batch``); each takes a slot of
+            GPU memory for ``lora_rank`` on every target module. Requests without an adapter count as
+            one. 1 serves one policy adapter, as an RL rollout needs.
         engine_kwargs: any other ``ServerArgs`` field, passed to ``sglang.Engine`` as is.
 
     Raises:
@@ -124,6 +174,10 @@ class RolloutConfig(BaseModel):
     fast_sync: bool = True
     layered_summon: bool = False
     validate_sync: bool = True
+    lora_rank: int = Field(0, ge=0, le=4096)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_target_modules: Union[str, List[str]] = "all-linear"
+    max_loras: int = Field(1, ge=1, le=256)
     engine_kwargs: Dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("dtype")
@@ -133,6 +187,58 @@ class RolloutConfig(BaseModel):
         if v not in allowed:
             raise ValueError(f"dtype must be one of {allowed}, got {v!r}")
         return v
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _check_lora_target_modules(cls, v):
+        if isinstance(v, str):
+            if v not in ("all-linear", "all"):
+                raise ValueError(f"lora_target_modules must be 'all-linear', 'all' or a list of module names, got {v!r}")
+            return v
+        if not v:
+            raise ValueError("lora_target_modules is empty: list module names, or 'all-linear'")
+        bad = sorted({m for m in v if m.split(".")[-1] not in SGLANG_LORA_TARGET_MODULES})
+        if bad:
+            raise ValueError(f"lora_target_modules {bad} are not served by SGLang; it serves "
+                             f"{list(SGLANG_LORA_TARGET_MODULES)}")
+        return sorted({m.split(".")[-1] for m in v})
+
+    @model_validator(mode="after")
+    def _check_lora_engine(self):
+        if self.lora_rank == 0:
+            return self
+        kw = self.engine_kwargs
+        problems = []
+        if int(kw.get("dp_size", 1) or 1) > 1:
+            problems.append("engine_kwargs dp_size > 1 (SGLang 0.5.10 asserts dp_size == 1 on every adapter load)")
+        loaded = kw.get("max_loaded_loras")
+        if loaded is not None and int(loaded) < 2:
+            problems.append(f"engine_kwargs max_loaded_loras={loaded} (an adapter update loads the new version "
+                            "before unloading the old one: it needs 2)")
+        spec = kw.get("speculative_algorithm")
+        if spec not in (None, "NGRAM"):
+            problems.append(f"engine_kwargs speculative_algorithm={spec!r} (SGLang serves LoRA with NGRAM only)")
+        if kw.get("enable_lora_overlap_loading"):
+            problems.append("engine_kwargs enable_lora_overlap_loading (pins adapters in CPU memory and needs "
+                            "max_loaded_loras <= 2 * max_loras; not supported with adapter updates)")
+        if problems:
+            raise ValueError(f"lora_rank={self.lora_rank} (LoRA on) does not go with: " + "; ".join(problems))
+        return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        """True when the engine serves LoRA adapters (``lora_rank > 0``)."""
+        return self.lora_rank > 0
+
+    def server_lora_target_modules(self) -> List[str]:
+        """``lora_target_modules`` as SGLang's server argument: ``"all-linear"`` -> the linear projections
+        (:data:`ALL_LINEAR_MODULES`), ``"all"`` -> ``["all"]``, a list as it is."""
+        t = self.lora_target_modules
+        if t == "all-linear":
+            return list(ALL_LINEAR_MODULES)
+        if t == "all":
+            return ["all"]
+        return list(t)
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -180,6 +286,9 @@ class RolloutConfig(BaseModel):
         )
         if self.max_num_seqs is not None:
             kwargs["max_running_requests"] = self.max_num_seqs
+        if self.lora_enabled:
+            kwargs.update(enable_lora=True, max_lora_rank=self.lora_rank,
+                          lora_target_modules=self.server_lora_target_modules(), max_loras_per_batch=self.max_loras)
         if self.fast_sync:
             loaders = list(kwargs.get("custom_weight_loader") or [])
             if FAST_SYNC_LOADER not in loaders:

@@ -113,6 +113,29 @@ class Generation:
     finish_reason: Optional[str] = None
 
 
+@dataclass
+class LoraAdapter:
+    """A LoRA adapter the engine serves (see :meth:`RolloutEngine.load_lora_adapter_from_tensors`).
+
+    Attributes:
+        name: the name callers use (``generate(..., lora_path=name)``).
+        version: 1 for the first load under ``name``, +1 for each replacement.
+        sglang_name: the name SGLang knows this version by (``"<name>@v<version>.<n>"``, ``n`` counting
+            this engine object's loads): a replacement is loaded next to the previous version and only
+            then is the previous one unloaded.
+        config: the PEFT config dict SGLang got.
+        n_tensors: tensors of the adapter.
+        nbytes: bytes of the serialized payload.
+    """
+
+    name: str
+    version: int
+    sglang_name: str
+    config: Dict[str, Any] = field(default_factory=dict)
+    n_tensors: int = 0
+    nbytes: int = 0
+
+
 def _child_pids() -> set:
     import psutil
 
@@ -258,7 +281,12 @@ class RolloutEngine:
     * a dead scheduler (an exception in it, ``kill -9``, an OOM kill) does not take the host process
       down: SGLang's SIGQUIT handler is replaced by :func:`_on_sigquit`, a watchdog thread watches the
       engine's processes, and every call (also those in flight) raises :class:`EngineDeadError`
-      until :meth:`restart`.
+      until :meth:`restart`;
+    * with ``lora_rank > 0`` it serves LoRA adapters (:meth:`load_lora_adapter_from_tensors`,
+      ``generate(..., lora_path=name)``) under the same sync fence as a weight sync, and records what
+      :func:`~sgl_rollout.weight_sync.lora.needs_base_sync` needs to know: whether a complete weight sync
+      reached it since it started (:attr:`weights_synced`) and whether its weights were released since
+      (:attr:`weights_released_since_sync`).
 
     Args:
         config: the rollout settings.
@@ -293,6 +321,7 @@ class RolloutEngine:
         self._sync_lock = threading.Lock()
         self._lifecycle_lock = threading.RLock()
         self._generation = 0
+        self._lora_seq = 0
         self._bucket_loading = False
         self._sync_abandoned = False
         atexit.register(self.shutdown)
@@ -308,6 +337,13 @@ class RolloutEngine:
         self.state = MemoryState(engine_tags(self.config))
         self._last_op = None
         self._bucket_loading = self._sync_abandoned = False
+        # LoRA adapters SGLang serves (name -> LoraAdapter), versions SGLang still holds that an
+        # unload did not remove, and what is known of the base weights (weight_sync.lora's rule)
+        self._lora: Dict[str, LoraAdapter] = {}
+        self._lora_orphans: List[str] = []
+        self._weights_synced = False
+        self._weights_released_since_sync = False
+        self._sync_bytes_sent = False
         self._sigquit_at = None
         self._child_pids: List[int] = []
         before = _child_pids()
@@ -538,6 +574,8 @@ class RolloutEngine:
         def on_done(exc: Optional[BaseException]) -> None:
             if exc is None:
                 state.commit(tags or [], released=bool(released))
+                if released and WEIGHTS in (tags or []) and generation == self._generation:
+                    self._weights_released_since_sync = True
             else:  # the outcome is unknown: never guess; the engine is unusable until restart()
                 self._mark_dead(f"{op} {tags} failed in SGLang: {exc!r}", generation)
         return on_done
@@ -555,15 +593,24 @@ class RolloutEngine:
         return fut
 
     # ----------------------------------------------------------------- generation
-    def _start_generate(self, input_ids, sampling_params, n, return_logprob):
+    def _start_generate(self, input_ids, sampling_params, n, return_logprob, lora_path=None):
         batch = _expand(input_ids, n)
         self.check_alive()
+        if lora_path is not None and not isinstance(lora_path, str):
+            raise TypeError(f"lora_path must be an adapter name (str) or None, got {type(lora_path).__name__}")
         rids = [uuid.uuid4().hex for _ in batch]
         self.state.admit_request()
         try:
+            extra = {}
+            if lora_path is not None:
+                # read after admission: adapters change only inside a sync, which no request overlaps
+                adapter = self._lora.get(lora_path)
+                if adapter is None:
+                    raise ValueError(f"no LoRA adapter {lora_path!r} is loaded (loaded: {sorted(self._lora)})")
+                extra["lora_path"] = [adapter.sglang_name] * len(batch)
             fut = self._submit(
                 lambda: self._engine.async_generate(input_ids=batch, sampling_params=dict(sampling_params or {}),
-                                                    return_logprob=return_logprob, rid=rids),
+                                                    return_logprob=return_logprob, rid=rids, **extra),
                 lambda _exc: self.state.request_done(),
             )
         except BaseException:
@@ -590,6 +637,7 @@ class RolloutEngine:
         sampling_params: Optional[Dict[str, Any]] = None,
         n: int = 1,
         return_logprob: bool = True,
+        lora_path: Optional[str] = None,
     ) -> List[List[Generation]]:
         """Sample ``n`` completions for each prompt.
 
@@ -598,6 +646,8 @@ class RolloutEngine:
             sampling_params: SGLang sampling params (``temperature``, ``top_p``, ``max_new_tokens``, ...).
             n: samples per prompt, >= 1.
             return_logprob: also return each sampled token's log-probability.
+            lora_path: name of a loaded LoRA adapter (:meth:`load_lora_adapter_from_tensors`) to apply;
+                None: the base weights alone.
 
         Returns:
             B lists of ``n`` :class:`Generation` each, in prompt order.
@@ -606,10 +656,10 @@ class RolloutEngine:
             MemoryStateError: a memory region is released, a release/resume/sync is in progress, or the
                 last weight sync did not complete.
             EngineDeadError: the engine died (before or during the call); EngineClosedError: shut down.
-            ValueError: ``n`` < 1 or an empty batch.
+            ValueError: ``n`` < 1, an empty batch, or ``lora_path`` names no loaded adapter.
             KeyboardInterrupt: re-raised after the batch's requests were aborted in SGLang.
         """
-        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob)
+        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path)
         return _group(self._wait(fut, lambda: self._abort(rids)), n, return_logprob)
 
     async def async_generate(
@@ -618,13 +668,14 @@ class RolloutEngine:
         sampling_params: Optional[Dict[str, Any]] = None,
         n: int = 1,
         return_logprob: bool = True,
+        lora_path: Optional[str] = None,
     ) -> List[List[Generation]]:
         """:meth:`generate` for code that runs inside an event loop (a Ray async actor, say).
 
         Concurrent calls are batched by SGLang's scheduler. A cancelled call aborts its requests in
         SGLang. Same arguments, return value and errors as :meth:`generate`.
         """
-        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob)
+        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path)
         return _group(await self._await(fut, lambda: self._abort(rids)), n, return_logprob)
 
     def abort_all(self) -> None:
@@ -692,11 +743,13 @@ class RolloutEngine:
         """
         self.settle()
         self.state.begin_sync()
+        self._sync_bytes_sent = False
 
     async def async_begin_sync(self) -> None:
         """:meth:`begin_sync` from inside an event loop."""
         await self.async_settle()
         self.state.begin_sync()
+        self._sync_bytes_sent = False
 
     @contextlib.contextmanager
     def weight_sync(self) -> Iterator[None]:
@@ -722,6 +775,8 @@ class RolloutEngine:
                 self._sync_abandoned = True
             else:
                 self.state.end_sync(complete)
+                if complete and self._sync_bytes_sent:
+                    self._weights_synced, self._weights_released_since_sync = True, False
 
     def _bucket_answered(self, _exc: Optional[BaseException]) -> None:
         with self._sync_lock:
@@ -738,6 +793,7 @@ class RolloutEngine:
         req = _req("UpdateWeightsFromTensorReqInput", serialized_named_tensors=payloads, load_format=load_format,
                    flush_cache=flush_cache)
         self.state.sync_sent()
+        self._sync_bytes_sent = True
         with self._sync_lock:
             self._bucket_loading = True
         try:
@@ -768,6 +824,207 @@ class RolloutEngine:
                                                flush_cache: bool = False):
         """:meth:`update_weights_from_tensor` from inside an event loop; returns ``(success, message)``."""
         return await self._await(self._start_update(payloads, load_format, flush_cache))
+
+    # ----------------------------------------------------------------- LoRA adapters
+    @property
+    def generation(self) -> int:
+        """1 for the first engine start, +1 for each :meth:`restart` (a restart loads the weights anew
+        as ``config.load_format`` says and drops every adapter)."""
+        return self._generation
+
+    @property
+    def weights_synced(self) -> bool:
+        """True once a complete weight sync (:meth:`update_weights_from_tensor` buckets inside
+        :meth:`begin_sync` / :meth:`end_sync` ``(True)``) reached this engine since it started.
+
+        A sync of only some weights counts too: the engine cannot tell (the worker's ``partial=True``)."""
+        return self._weights_synced
+
+    @property
+    def weights_released_since_sync(self) -> bool:
+        """True when SGLang released the ``weights`` tag since the last complete weight sync (or since
+        the start, if none): without ``enable_weights_cpu_backup`` their contents are then undefined."""
+        return self._weights_released_since_sync
+
+    @property
+    def lora_adapters(self) -> Dict[str, LoraAdapter]:
+        """The adapters SGLang serves now, by name (a copy)."""
+        return dict(self._lora)
+
+    def _check_lora_call(self, what: str) -> None:
+        if not self.config.lora_enabled:
+            raise ValueError(f"cannot {what}: the engine was started without LoRA (set lora_rank > 0 in the "
+                             "rollout config)")
+        if self.state.is_released(WEIGHTS):
+            raise MemoryStateError(f"cannot {what}: the weights are released; resume 'weights' first")
+        if self.state.busy != "sync":
+            raise MemoryStateError(f"call begin_sync() before you {what} (no generate may run meanwhile)")
+
+    def _adapter_request(self, name: str, tensors, config_dict, load_format):
+        from .weight_sync import lora
+
+        if not isinstance(name, str) or not name or "@" in name:
+            raise ValueError(f"adapter name must be a non-empty str without '@', got {name!r}")
+        if isinstance(tensors, lora.AdapterPayload):
+            payload = tensors
+            if config_dict is not None and dict(config_dict) != payload.config:
+                raise ValueError("config_dict differs from the AdapterPayload's own config; pass one of them")
+            problems = lora.check_adapter_config(payload.config, self.config)
+            if problems:
+                raise lora.SyncValidationError(problems, f"LoRA adapter {name!r}")
+            data, config, n_tensors = payload.data, payload.config, payload.n_tensors
+        elif isinstance(tensors, (bytes, str)):
+            if load_format != "flattened_bucket":
+                raise ValueError("a serialized adapter payload needs load_format='flattened_bucket'")
+            if config_dict is None:
+                raise ValueError("config_dict is required with a serialized adapter payload")
+            config = lora.adapter_config_dict(config_dict)
+            problems = lora.check_adapter_config(config, self.config)
+            if problems:
+                raise lora.SyncValidationError(problems, f"LoRA adapter {name!r}")
+            data, n_tensors = tensors, -1
+        else:
+            if config_dict is None:
+                raise ValueError("config_dict (the adapter's PEFT config) is required")
+            payload = lora.build_adapter_payload(tensors, config_dict, engine_config=self.config)
+            data, config, n_tensors = payload.data, payload.config, payload.n_tensors
+        self._lora_seq += 1
+        old = self._lora.get(name)
+        record = LoraAdapter(name=name, version=(old.version + 1) if old else 1, sglang_name="",
+                             config=dict(config), n_tensors=n_tensors, nbytes=len(data))
+        record.sglang_name = f"{name}@v{record.version}.{self._lora_seq}"
+        req = _req("LoadLoRAAdapterFromTensorsReqInput", lora_name=record.sglang_name, config_dict=dict(config),
+                   serialized_tensors=data, load_format="flattened_bucket")
+        return record, req
+
+    def _start_lora_load(self, name: str, tensors, config_dict, load_format) -> concurrent.futures.Future:
+        self._check_lora_call(f"load LoRA adapter {name!r}")
+        record, req = self._adapter_request(name, tensors, config_dict, load_format)
+        tm, generation = self._tm(), self._generation
+
+        async def swap():
+            # the new version next to the old one, then the old one out: a failed load leaves the old
+            # version serving, and no request ever finds the name without an adapter
+            out = await tm.load_lora_adapter_from_tensors(req, None)
+            if not getattr(out, "success", False):
+                return out
+            if generation != self._generation:
+                return out
+            old = self._lora.get(name)
+            self._lora[name] = record  # committed on SGLang's answer, whatever became of the caller
+            stale = ([old.sglang_name] if old is not None else []) + self._lora_orphans
+            self._lora_orphans = []
+            for sglang_name in stale:
+                res = await tm.unload_lora_adapter(_req("UnloadLoRAAdapterReqInput", lora_name=sglang_name), None)
+                if not getattr(res, "success", False):
+                    logger.warning("SGLang did not unload LoRA adapter version %s: %s", sglang_name,
+                                   getattr(res, "error_message", res))
+                    self._lora_orphans.append(sglang_name)
+            return out
+
+        with self._sync_lock:
+            self._bucket_loading = True
+        try:
+            fut = self._submit(swap, self._bucket_answered)
+        except BaseException:
+            self._bucket_answered(None)
+            raise
+        self._last_op = fut
+        return fut
+
+    @staticmethod
+    def _lora_result(name: str, out) -> None:
+        if not getattr(out, "success", False):
+            raise RuntimeError(f"SGLang did not load LoRA adapter {name!r}: {getattr(out, 'error_message', out)}")
+
+    def load_lora_adapter_from_tensors(self, name: str, tensors, config_dict: Optional[Dict[str, Any]] = None,
+                                       load_format: Optional[str] = "flattened_bucket") -> LoraAdapter:
+        """Load a LoRA adapter into SGLang (``load_lora_adapter_from_tensors``), replacing the version
+        loaded under ``name``; inside :meth:`begin_sync` / :meth:`end_sync` (:meth:`weight_sync`).
+
+        Replacement: SGLang 0.5.10 refuses a second adapter under a loaded name, so the new version is
+        loaded under its own SGLang name, ``name`` then points to it, and the previous version is
+        unloaded. A failed load leaves the previous version serving. The mapping changes when SGLang
+        answers, also if this caller was interrupted meanwhile.
+
+        Only CPU memory changes in SGLang (it keeps adapters on the CPU and copies them into its
+        LoRA memory pool per batch), so a released KV cache (the staged wake) is no obstacle;
+        released weights are.
+
+        Args:
+            name: the adapter's name, for ``generate(..., lora_path=name)``; no ``'@'``.
+            tensors: a :class:`~sgl_rollout.weight_sync.lora.AdapterPayload` (built and checked by
+                :func:`~sgl_rollout.weight_sync.lora.build_adapter_payload`); or the adapter's
+                ``(name, tensor)`` pairs (a dict too), built here (rank and target modules are checked
+                against this engine's LoRA settings, shapes against the base model only by the
+                builder with a manifest); or an already serialized ``flattened_bucket`` payload
+                (bytes), sent as it is.
+            config_dict: the adapter's PEFT config (dict or ``peft.LoraConfig``); taken from an
+                :class:`AdapterPayload` when None.
+            load_format: ``"flattened_bucket"`` (SGLang's flattened format; the only one sent).
+
+        Returns:
+            the :class:`LoraAdapter` now served under ``name``.
+
+        Raises:
+            MemoryStateError: no sync was begun, or the weights are released. Nothing reached SGLang.
+            ValueError: the engine has no LoRA, a bad name, a config the engine cannot serve
+                (``SyncValidationError``, a ValueError, lists every problem). Nothing reached SGLang.
+            RuntimeError: SGLang refused the adapter (its message); the previous version still serves.
+            EngineDeadError, EngineClosedError: as every call.
+        """
+        fut = self._start_lora_load(name, tensors, config_dict, load_format)
+        self._lora_result(name, self._wait(fut))
+        return self._lora[name]
+
+    async def async_load_lora_adapter_from_tensors(self, name: str, tensors,
+                                                   config_dict: Optional[Dict[str, Any]] = None,
+                                                   load_format: Optional[str] = "flattened_bucket") -> LoraAdapter:
+        """:meth:`load_lora_adapter_from_tensors` from inside an event loop."""
+        fut = self._start_lora_load(name, tensors, config_dict, load_format)
+        self._lora_result(name, await self._await(fut))
+        return self._lora[name]
+
+    def _start_lora_unload(self, name: str) -> concurrent.futures.Future:
+        self._check_lora_call(f"unload LoRA adapter {name!r}")
+        record = self._lora.get(name)
+        if record is None:
+            raise ValueError(f"no LoRA adapter {name!r} is loaded (loaded: {sorted(self._lora)})")
+        tm, generation = self._tm(), self._generation
+
+        async def unload():
+            out = await tm.unload_lora_adapter(_req("UnloadLoRAAdapterReqInput", lora_name=record.sglang_name), None)
+            if getattr(out, "success", False) and generation == self._generation and self._lora.get(name) is record:
+                del self._lora[name]
+            return out
+
+        with self._sync_lock:
+            self._bucket_loading = True
+        try:
+            fut = self._submit(unload, self._bucket_answered)
+        except BaseException:
+            self._bucket_answered(None)
+            raise
+        self._last_op = fut
+        return fut
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload the adapter served under ``name``, inside :meth:`begin_sync` / :meth:`end_sync`.
+
+        Raises:
+            MemoryStateError: no sync was begun, or the weights are released.
+            ValueError: no adapter ``name`` is loaded, or the engine has no LoRA. Nothing reached SGLang.
+            RuntimeError: SGLang refused (its message).
+        """
+        out = self._wait(self._start_lora_unload(name))
+        if not getattr(out, "success", False):
+            raise RuntimeError(f"SGLang did not unload LoRA adapter {name!r}: {getattr(out, 'error_message', out)}")
+
+    async def async_unload_lora_adapter(self, name: str) -> None:
+        """:meth:`unload_lora_adapter` from inside an event loop."""
+        out = await self._await(self._start_lora_unload(name))
+        if not getattr(out, "success", False):
+            raise RuntimeError(f"SGLang did not unload LoRA adapter {name!r}: {getattr(out, 'error_message', out)}")
 
     def flush_cache(self) -> None:
         """Drop SGLang's prefix (radix) cache, stale after new weights.
@@ -851,6 +1108,7 @@ __all__ = [
     "EngineClosedError",
     "EngineDeadError",
     "Generation",
+    "LoraAdapter",
     "MemoryStateError",
     "RolloutEngine",
     "engine_env_updates",

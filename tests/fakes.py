@@ -83,6 +83,41 @@ class FakeTokenizerManager:
         await self.engine._alive()
         self.engine.calls.append(("flush_cache",))
 
+    async def load_lora_adapter_from_tensors(self, obj, request):
+        """SGLang 0.5.10's path: refusals come back as ``success=False``; an unreadable payload kills the
+        scheduler (``TpModelWorker`` deserializes outside any try); tensors that do not fit the LoRA
+        memory pool kill it when a batch first uses the adapter (the double: at that generate)."""
+        e = self.engine
+        await e._alive()
+        if not e.server_args.get("enable_lora"):
+            return _lora_out(False, "LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        try:
+            tensors = _read_adapter_payload(obj.serialized_tensors, obj.load_format)
+        except Exception as exc:  # noqa: BLE001 - what the real scheduler dies of
+            await e._die(f"unreadable adapter payload: {exc!r}")
+        nbytes = len(obj.serialized_tensors)
+        e.calls.append(("load_lora", obj.lora_name, len(tensors), nbytes))
+        if e.on_lora is not None:
+            e.on_lora(obj.lora_name, tensors, dict(obj.config_dict))
+        await self._answer()
+        if e.fail_next_lora:
+            e.fail_next_lora = False
+            return _lora_out(False, "injected adapter load failure")
+        if obj.lora_name in e.lora:
+            return _lora_out(False, f"Failed to load LoRA adapter {obj.lora_name} because it is already loaded")
+        e.lora[obj.lora_name] = {"config": dict(obj.config_dict), "tensors": tensors,
+                                 "bad": _adapter_misfit(e, tensors, obj.config_dict)}
+        return _lora_out(True)
+
+    async def unload_lora_adapter(self, obj, request):
+        e = self.engine
+        await e._alive()
+        e.calls.append(("unload_lora", obj.lora_name))
+        if obj.lora_name not in e.lora:
+            return _lora_out(False, f"LoRA with name {obj.lora_name} does not exist.")
+        del e.lora[obj.lora_name]
+        return _lora_out(True)
+
     def abort_request(self, rid="", abort_all=False):
         e = self.engine
         e.calls.append(("abort", "*" if abort_all else rid))
@@ -90,6 +125,50 @@ class FakeTokenizerManager:
             e.aborted |= set(e.running)
         elif rid in e.running:
             e.aborted.add(rid)
+
+
+def _lora_out(success, error_message=""):
+    import types
+
+    return types.SimpleNamespace(success=success, error_message=error_message)
+
+
+def _read_adapter_payload(data, load_format):
+    """The adapter's tensors as SGLang's scheduler reads them (its own deserializer and bucket class)."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+
+    obj = MultiprocessingSerializer.deserialize(data)
+    if load_format != "flattened_bucket":
+        return dict(obj)
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket(flattened_tensor=obj["flattened_tensor"], metadata=obj["metadata"])
+    return dict(bucket.reconstruct_tensors())
+
+
+def _adapter_misfit(e, tensors, config):
+    """Why SGLang's LoRA memory pool would assert on these tensors (None: they fit)."""
+    import re
+
+    r = config.get("r")
+    if r is None or r > (e.server_args.get("max_lora_rank") or 0):
+        return f"rank {r} above max_lora_rank"
+    for name, t in tensors.items():
+        if re.search(r"\.(q|k|v|o|gate|up|down)_proj\.lora_[AB]\.weight$", name) is None:
+            return f"{name}: no target module"
+        if t.dim() != 2:
+            return f"{name}: not 2-D"
+        module = name[len("base_model.model."):].rsplit(".lora_", 1)[0]
+        ab = "A" if ".lora_A." in name else "B"
+        if ab == "A" and t.shape[0] != r or ab == "B" and t.shape[1] != r:
+            return f"{name}: rank dim of {tuple(t.shape)} is not {r}"
+        if e.lora_base_shapes is not None:
+            out_in = e.lora_base_shapes.get(module)
+            if out_in is None:
+                return f"{name}: no base module {module}"
+            if (ab == "A" and t.shape[1] != out_in[1]) or (ab == "B" and t.shape[0] != out_in[0]):
+                return f"{name}: shape {tuple(t.shape)} does not fit base {out_in}"
+    return None
 
 
 class FakeSGLangEngine:
@@ -111,6 +190,12 @@ class FakeSGLangEngine:
         self.fail_next_update = False
         self.on_update = None
         self.mixed_weight_generates = 0
+        # LoRA: adapters by SGLang name; base module shapes (module path -> (out, in)) to check against
+        self.lora = {}
+        self.lora_base_shapes = None
+        self.on_lora = None
+        self.fail_next_lora = False
+        self.last_lora_path = None
         self.tokenizer_manager = FakeTokenizerManager(self)
         # the "scheduler": a real child process, so that death is seen the way a real one is
         self.scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
@@ -130,13 +215,19 @@ class FakeSGLangEngine:
         self.dead, self.death_reason = True, "killed"
         os.kill(self.scheduler.pid, signal.SIGKILL)
 
-    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None):
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None, lora_path=None):
         await self._alive()
         rid = rid or [f"r{i}" for i in range(len(input_ids))]
         self.calls.append(("generate", len(input_ids)))
         self.last_sampling_params = dict(sampling_params)
+        self.last_lora_path = lora_path
         if self.released:
             await self._die("generate on released memory")
+        for name in sorted({p for p in (lora_path or []) if p is not None}):
+            if name not in self.lora:  # the tokenizer manager refuses it (no death)
+                raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
+            if self.lora[name]["bad"]:
+                await self._die(f"LoRA buffer shape assertion: {self.lora[name]['bad']}")
         self.running |= set(rid)
         try:
             if self.block is not None:

@@ -4,7 +4,9 @@ cluster, with only SGLang replaced by an engine double (tests/fakes.py) inside t
 * verl's hybrid call sequence (sleep, staged wake, weight sync, generate) through the adapter;
 * two replicas through verl's ``LLMServerManager``, load balancer and ``LLMServerClient``;
 * verl's ``CheckpointEngineWorker`` (no device mesh, an async weight generator) at TP=2 over gloo;
-* verl's partial-rollout pause (``abort_all_requests`` / ``resume_generation``)."""
+* verl's partial-rollout pause (``abort_all_requests`` / ``resume_generation``);
+* LoRA served as an adapter: verl's ``update_weights(weights, peft_config=, base_sync_done=)`` sequence,
+  the base sent only when the engine lacks it."""
 
 import asyncio
 import os
@@ -83,6 +85,18 @@ class FakeServer(VerlRolloutServer):
 
     async def block_generation(self, on: bool):
         self._engine._engine.block = threading.Event() if on else None
+
+    async def set_lora_base_shapes(self, shapes):
+        self._engine._engine.lora_base_shapes = dict(shapes)
+
+    async def fake_lora(self):
+        """The double's adapters: SGLang name -> (config, {tensor name: sum}), and whether it died."""
+        fake = self._engine._engine
+        return ({n: (a["config"], {k: float(t.double().sum()) for k, t in a["tensors"].items()})
+                 for n, a in fake.lora.items()}, fake.dead)
+
+    async def last_lora_path(self):
+        return self._engine._engine.last_lora_path
 
 
 class Replica(SglRolloutReplica):
@@ -369,3 +383,241 @@ def test_checkpoint_engine_worker_tp2_async_generator(ce_setup, tiny_model):
         assert ray.get(server.generate.remote([1], {"max_tokens": 1}, request_id="z")).extra_fields["global_steps"] == 8
     finally:
         _stop(server)
+
+
+# ======================================================================= LoRA served as an adapter
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_weights(tiny_model, seed):
+    """What verl's FSDP engine hands the rollout (``get_per_tensor_param``) for a PEFT model of ``tiny_model``:
+    the base (``base_sync_done=False``: names with ``.base_layer``, as ``replace_lora_wrapper`` makes them) and
+    the adapter (``base_sync_done=True``: PEFT's saved names, CPU tensors), and ``peft_config.to_dict()``."""
+    import peft
+    from peft.utils.save_and_load import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32)
+    pm = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    base = [(n.replace("base_model.model.", "").replace(".base_layer", "").replace(
+        "_proj.weight", "_proj.base_layer.weight"), p.detach().clone())
+        for n, p in pm.named_parameters() if "lora_" not in n]
+    adapter = [(k, v.detach().cpu().clone()) for k, v in get_peft_model_state_dict(pm).items()]
+    return base, adapter, pm.peft_config["default"].to_dict()
+
+
+async def verl_update_weights(adapter, state, base, lora, peft_config, global_steps, free_cache_engine):
+    """The rollout side of verl 0.9.1's ``ActorRolloutRefWorker.update_weights`` (naive mode,
+    ``verl/workers/engine_workers.py``), call for call: resume weights unless SGLang sleeps at level 1,
+    the base while verl's ``base_sync_done`` is False, the adapter, resume the KV cache."""
+    if free_cache_engine and getattr(adapter, "sleep_level", 2) != 1:
+        await adapter.resume(tags=["weights"])
+    do_lora_base_sync = False
+    if not state["peft_merge"] and peft_config is not None:
+        adapter.sleep_level = 1
+        do_lora_base_sync = not state["base_sync_done"]
+    if do_lora_base_sync:
+        await adapter.update_weights(iter(base), peft_config=peft_config, base_sync_done=False,
+                                     global_steps=global_steps)
+    await adapter.update_weights(iter(lora), peft_config=peft_config, base_sync_done=True, global_steps=global_steps)
+    if free_cache_engine:
+        await adapter.resume(tags=["kv_cache"])
+    state["base_sync_done"] = True
+
+
+def launch_lora_replica(rank, tiny_model, *overrides):
+    """A hybrid replica (engine double) and the adapter verl's trainer worker builds, for a composed config
+    with LoRA served as an adapter."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.replica import RolloutMode
+
+    root = compose("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                   "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
+                   "actor_rollout_ref.rollout.enforce_eager=true", *overrides, model_path=tiny_model)
+    cfg = omega_conf_to_dataclass(root.actor_rollout_ref.rollout)
+    model_cfg = root.actor_rollout_ref.model
+    worker = ray.remote(num_cpus=0)(TrainerWorker).options(runtime_env={"env_vars": {"CUDA_VISIBLE_DEVICES": "0"}}).remote()
+    replica = Replica(replica_rank=rank, config=cfg, model_config=model_cfg, gpus_per_node=1)
+    replica.workers, replica.rollout_mode = [worker], RolloutMode.HYBRID
+    asyncio.run(replica.launch_servers())
+    server = replica.server_handle
+    adapter = SglRolloutAdapter(cfg, model_cfg, device_mesh=None, replica_rank=rank)
+    return root, replica, server, adapter, worker
+
+
+def _sent(server):
+    """(base buckets, names of the base tensors, adapter loads, adapter payload bytes) the engine double
+    received (TP rank 0's payloads)."""
+    calls = ray.get(server.fake_calls.remote())
+    log = ray.get(server.read_log.remote())[1]
+    base_names = [name for bucket in log for name, _sum in bucket[0]]
+    loads = [c for c in calls if c[0] == "load_lora"]
+    return sum(c[0] == "update_weights" for c in calls), base_names, len(loads), sum(c[3] for c in loads)
+
+
+@pytest.mark.parametrize("free_cache_engine", [True, False])
+def test_verl_lora_adapter_sequence_sends_base_once(cluster, tiny_model, monkeypatch, free_cache_engine):
+    """verl's hybrid steps with LoRA served as an adapter (dummy load, so verl hands the base on the first
+    step): base weights cross once, the adapter every step, sleep releases only the KV cache (level 1),
+    and every request carries the current adapter."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.multiprocessing, "_sharing_strategy", torch.multiprocessing.get_sharing_strategy())
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    rank = 10 if free_cache_engine else 11
+    root, replica, server, adapter, worker = launch_lora_replica(
+        rank, tiny_model, f"actor_rollout_ref.rollout.free_cache_engine={str(free_cache_engine).lower()}")
+    try:
+        args = ray.get(server.server_args.remote())
+        assert args["enable_lora"] is True and args["max_lora_rank"] == 8 and args["load_format"] == "dummy"
+        assert args["lora_target_modules"] == LORA_TARGETS
+        assert adapter.sleep_level == 1 and adapter.rollout_config.sleep_level == 1
+        ckpt = load_file(os.path.join(tiny_model, "model.safetensors"))
+        ray.get(server.set_lora_base_shapes.remote(
+            {n[: -len(".weight")]: tuple(t.shape) for n, t in ckpt.items() if t.dim() == 2}))
+        state = {"peft_merge": False, "base_sync_done": "dummy" not in root.actor_rollout_ref.rollout.load_format}
+        assert state["base_sync_done"] is False
+        base_bytes = sum(t.numel() * t.element_size() for t in ckpt.values())
+
+        asyncio.run(replica.sleep())  # verl's sleep_replicas() before the first step
+        history = []
+        for step in range(1, 4):
+            base, lora, peft_config = lora_weights(tiny_model, seed=step)
+            asyncio.run(verl_update_weights(adapter, state, base, lora, peft_config, step, free_cache_engine))
+            history.append(_sent(server))
+            out = ray.get(server.generate.remote([1, 2, 3], {"max_tokens": 2}, request_id=f"s{step}"))
+            assert out.extra_fields["global_steps"] == step and len(out.token_ids) == 2
+            assert ray.get(server.last_lora_path.remote()) == [f"verl_policy@v{step}.{step}"]
+            loaded, dead = ray.get(server.fake_lora.remote())
+            assert not dead and list(loaded) == [f"verl_policy@v{step}.{step}"]  # the old version is gone
+            cfg, sums = loaded[f"verl_policy@v{step}.{step}"]
+            assert cfg["peft_type"] == "LORA" and cfg["r"] == 8 and cfg["target_modules"] == sorted(LORA_TARGETS)
+            assert sums == {k: float(v.double().sum()) for k, v in lora}  # this step's adapter, intact
+            asyncio.run(replica.sleep())
+        buckets = [h[0] for h in history]
+        assert buckets[0] >= 1 and buckets == [buckets[0]] * 3  # base buckets only on the first step
+        sent_names = history[-1][1]
+        assert sorted(sent_names) == sorted(ckpt)  # every base tensor exactly once (.base_layer folded)
+        assert sum(ckpt[n].numel() * ckpt[n].element_size() for n in sent_names) == base_bytes
+        assert [h[2] for h in history] == [1, 2, 3]  # the adapter every step
+        assert adapter.base_syncs == 1 and adapter.adapter_syncs == 3 and adapter.base_syncs_skipped == 0
+        adapter_bytes = [b - a for a, b in zip([0] + [h[3] for h in history], [h[3] for h in history])]
+        assert len(set(adapter_bytes)) == 1 and 0 < adapter_bytes[0] < base_bytes / 5
+        print(f"\nbase {base_bytes} bytes once; adapter payload {adapter_bytes[0]} bytes every step")
+        releases = [c for c in ray.get(server.fake_calls.remote()) if c[0] == "release"]
+        if free_cache_engine:
+            assert releases and all(c[1] == ("kv_cache",) for c in releases)  # level 1: weights stay
+        else:
+            assert not releases
+        status = ray.get(server.lora_status.remote())
+        assert status["adapters"] == {"verl_policy": 3} and not status["base_sync_needed"]
+
+        # verl offers the base again (its base_sync_done reset, say): the engine has it, nothing is sent
+        state["base_sync_done"] = False
+        base, lora, peft_config = lora_weights(tiny_model, seed=9)
+        asyncio.run(verl_update_weights(adapter, state, base, lora, peft_config, 4, free_cache_engine))
+        assert _sent(server)[0] == buckets[0] and adapter.base_syncs_skipped == 1 and adapter.adapter_syncs == 4
+    finally:
+        _stop(server)
+        ray.kill(worker)
+
+
+def test_verl_lora_adapter_refusals_never_reach_the_engine(cluster, tiny_model, monkeypatch):
+    """A real load format (verl never sends the base), then: a malformed adapter, an adapter after the engine
+    lost its base weights, a peft_config for an engine without LoRA; the double never sees a bad call."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(torch.multiprocessing, "_sharing_strategy", torch.multiprocessing.get_sharing_strategy())
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    root, replica, server, adapter, worker = launch_lora_replica(
+        12, tiny_model, "actor_rollout_ref.rollout.load_format=safetensors")
+    try:
+        ckpt = load_file(os.path.join(tiny_model, "model.safetensors"))
+        ray.get(server.set_lora_base_shapes.remote(
+            {n[: -len(".weight")]: tuple(t.shape) for n, t in ckpt.items() if t.dim() == 2}))
+        state = {"peft_merge": False, "base_sync_done": "dummy" not in root.actor_rollout_ref.rollout.load_format}
+        base, lora, peft_config = lora_weights(tiny_model, seed=1)
+        asyncio.run(replica.sleep())
+        asyncio.run(verl_update_weights(adapter, state, base, lora, peft_config, 1, True))
+        assert _sent(server)[:3] == (0, [], 1)  # a real load: the base never travels
+
+        bad = list(lora)
+        bad[0] = (bad[0][0], torch.zeros(8, bad[0][1].shape[1] + 1))  # lora_A with the wrong in-dim
+        with pytest.raises(Exception, match="expected \\(8, 128\\)"):
+            asyncio.run(adapter.update_weights(iter(bad), peft_config=peft_config, base_sync_done=True))
+        with pytest.raises(Exception, match="rsLoRA"):
+            asyncio.run(adapter.update_weights(iter(lora), peft_config={**peft_config, "use_rslora": True},
+                                               base_sync_done=True))
+        assert _sent(server)[2] == 1
+        loaded, dead = ray.get(server.fake_lora.remote())
+        assert not dead and list(loaded) == ["verl_policy@v1.1"]  # the good version still serves
+        assert ray.get(server.generate.remote([1], {"max_tokens": 1}, request_id="a")).token_ids == [2]
+
+        # someone releases the weights (level 2 by hand): the adapter alone is refused before SGLang sees it
+        ray.get(server.release.remote(["weights", "kv_cache"]))
+        ray.get(server.resume.remote(["weights"]))
+        with pytest.raises(Exception, match="lacks its base weights"):
+            asyncio.run(adapter.update_weights(iter(lora), peft_config=peft_config, base_sync_done=True))
+        assert _sent(server)[2] == 1
+        # verl offering the base now sends it (the rule says the engine lacks it), then the adapter loads
+        state["base_sync_done"] = False
+        asyncio.run(verl_update_weights(adapter, state, base, lora, peft_config, 2, True))
+        buckets, _, loads, _ = _sent(server)
+        assert buckets >= 1 and loads == 2 and adapter.base_syncs == 1
+        assert not ray.get(server.fake_lora.remote())[1]
+    finally:
+        _stop(server)
+        ray.kill(worker)
+
+    # the adapter of an engine without LoRA (merged LoRA) refuses a peft_config, naming the keys
+    from verl.utils.config import omega_conf_to_dataclass
+
+    root = compose("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true",
+                   model_path=tiny_model)
+    merged = SglRolloutAdapter(omega_conf_to_dataclass(root.actor_rollout_ref.rollout), root.actor_rollout_ref.model,
+                               device_mesh=None)
+    assert not merged.rollout_config.lora_enabled and merged.sleep_level == 2
+    with pytest.raises(NotImplementedError, match="lora.merge"):
+        asyncio.run(merged.update_weights(iter([]), peft_config={"r": 8}, base_sync_done=True))
+
+
+def test_verl_lora_settings_map_and_refuse(tiny_model):
+    """verl's LoRA keys as verl's SGLang server reads them; what sgl-rollout cannot serve with an adapter is
+    refused at start-up naming the key (no Ray needed)."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from sgl_rollout.integrations.verl_rollout import rollout_config_for_verl
+
+    def mapped(*overrides):
+        root = compose(*overrides, model_path=tiny_model)
+        return rollout_config_for_verl(omega_conf_to_dataclass(root.actor_rollout_ref.rollout), tiny_model,
+                                       model_config=root.actor_rollout_ref.model)
+
+    cfg = mapped("actor_rollout_ref.model.lora_rank=16", "actor_rollout_ref.model.lora_alpha=32")
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.lora_target_modules, cfg.sleep_level) == (16, 32.0, "all-linear", 1)
+    kw = cfg.to_server_args()
+    assert kw["enable_lora"] and kw["max_lora_rank"] == 16 and kw["lora_target_modules"] == LORA_TARGETS
+    assert mapped("actor_rollout_ref.model.lora.rank=4").lora_rank == 4  # Megatron's key
+    assert mapped("actor_rollout_ref.model.lora_rank=8",
+                  "actor_rollout_ref.model.target_modules=[v_proj,q_proj]").lora_target_modules == ["q_proj", "v_proj"]
+    merged = mapped("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true")
+    assert merged.lora_rank == 0 and merged.sleep_level == 2  # merged: full weight syncs, as before
+    assert mapped().lora_rank == 0
+    for override, key in [("actor_rollout_ref.model.target_modules='.*proj'", "actor_rollout_ref.model.target_modules"),
+                          ("actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
+                           "actor_rollout_ref.rollout.checkpoint_engine.backend='nccl'"),
+                          ("actor_rollout_ref.rollout.quantization=fp8", "actor_rollout_ref.rollout.quantization='fp8'")]:
+        with pytest.raises(Exception, match="does not serve") as e:
+            mapped("actor_rollout_ref.model.lora_rank=8", override)
+        assert key in str(e.value), (key, str(e.value))
+    # the replica no longer refuses LoRA served as an adapter (verl builds replicas before anything else)
+    root = compose("actor_rollout_ref.model.lora_rank=8", model_path=tiny_model)
+    Replica(replica_rank=0, config=root.actor_rollout_ref.rollout, model_config=root.actor_rollout_ref.model,
+            gpus_per_node=8)

@@ -33,10 +33,23 @@ stable for the actor's life. There is no HTTP server behind it (verl's token-in/
 the actor, not HTTP): a connection to it is refused at once. The verl features that need HTTP
 (GenRM's reward router, Prometheus, rl-insight metrics) are refused at start-up instead.
 
+LoRA served as an adapter (verl's ``model.lora_rank`` or ``model.lora.rank`` > 0 without
+``model.lora.merge``), as verl 0.9.1's own SGLang rollout serves it: the engine starts with LoRA
+(``lora_rank``, ``lora_alpha``, ``lora_target_modules`` from verl's model config), sleeps at level 1 (the
+base weights stay resident; only the KV cache is released), and every request carries the adapter.
+verl's trainer then calls ``update_weights(base, peft_config=, base_sync_done=False)`` while its own
+``base_sync_done`` is False (a dummy load's first step) and ``update_weights(adapter, peft_config=,
+base_sync_done=True)`` every step. The base is sent only when
+:func:`~sgl_rollout.weight_sync.lora.needs_base_sync` says the engine lacks it (asked of the engine
+actor, which records its syncs, releases and restarts); otherwise every rank drains verl's generator
+and nothing is sent. The adapter goes to SGLang's ``load_lora_adapter_from_tensors`` as one checked,
+by-value ``flattened_bucket`` payload from the TP leader, replacing the previous version.
+
 Not supported (refused at start-up with the verl key to change, :mod:`.verl_config`): multi-node
-replicas, LoRA served as an adapter, ``checkpoint_engine.backend=delta_sharded``, prefill/decode
-disaggregation, MTP rollout, routing replay, generative reward models, distillation teachers (prompt
-log-probabilities), image/audio/video inputs.
+replicas, ``checkpoint_engine.backend=delta_sharded``, prefill/decode disaggregation, MTP rollout,
+routing replay, generative reward models, distillation teachers (prompt log-probabilities),
+image/audio/video inputs; with a LoRA adapter also FP8 rollout, regex ``target_modules`` and
+checkpoint-engine backends other than ``naive`` (they send the base only).
 """
 
 from __future__ import annotations
@@ -56,16 +69,20 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from ..config import RolloutConfig
 from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, aggressive_empty_cache
 from ..ray import RolloutServer, launch_rollout_server, merge_visible_devices
 from ..weight_sync import BucketStream
+from ..weight_sync import lora as lora_sync
 from .verl_config import (
+    MODEL_PREFIX,
     ROLLOUT_PREFIX,
     VERL_BUILTIN,
     UnsupportedVerlFeature,
     _get,
     check_verl_features,
     fp8_quant_config,
+    lora_as_adapter,
     max_position_embeddings,
     model_path_of,
     resolve_local_model,
@@ -80,9 +97,91 @@ __all__ = [
     "SglRolloutReplica",
     "UnsupportedVerlFeature",
     "VerlRolloutServer",
+    "rollout_config_for_verl",
     "rollout_config_from_verl",
     "server_name",
+    "verl_lora_settings",
 ]
+
+#: Name of the policy adapter the verl integration loads and every request carries.
+VERL_ADAPTER_NAME = "verl_policy"
+
+
+class _WithoutLora:
+    """A view of verl's model config without its LoRA keys, for :func:`check_verl_features` and
+    :func:`rollout_config_from_verl`, which refuse LoRA served as an adapter; this module serves it."""
+
+    _HIDDEN = ("lora_rank", "lora")
+
+    def __init__(self, model_config):
+        self._cfg = model_config
+
+    def get(self, key, default=None):
+        return default if key in self._HIDDEN else _get(self._cfg, key, default)
+
+    def __getattr__(self, key):
+        if key.startswith("_"):
+            raise AttributeError(key)
+        return self.get(key)
+
+
+def verl_lora_settings(model_config, rollout_cfg=None) -> Optional[dict]:
+    """The LoRA settings of :class:`~sgl_rollout.config.RolloutConfig` for verl's model config, or None
+    when verl does not serve LoRA as an adapter (no rank, or ``lora.merge=True``).
+
+    Read as verl 0.9.1's SGLang server reads them (``lora_rank_of``, ``sglang_lora_target_modules``):
+    the rank from ``model.lora_rank`` (FSDP) or ``model.lora.rank`` (Megatron), ``lora_alpha`` (or
+    ``lora.alpha``), ``target_modules`` (``"all-linear"`` or a list).
+
+    Raises:
+        UnsupportedVerlFeature: a regex ``target_modules`` (SGLang takes names), FP8 rollout with an
+            adapter, or a checkpoint-engine backend other than ``naive`` (verl's checkpoint engines send
+            the base weights only, never the adapter); the message names the key.
+    """
+    if model_config is None or not lora_as_adapter(model_config):
+        return None
+    lora = _get(model_config, "lora", None) or {}
+    rank = max(int(_get(model_config, "lora_rank", 0) or 0), int(_get(lora, "rank", 0) or 0))
+    alpha = _get(model_config, "lora_alpha", None) or _get(lora, "alpha", None) or 16
+    targets = _get(model_config, "target_modules", None) or _get(lora, "target_modules", None) or "all-linear"
+    problems = []
+    if isinstance(targets, str) and targets not in ("all-linear", "all"):
+        problems.append(f"{MODEL_PREFIX}.target_modules={targets!r}: SGLang serves adapters on named modules, "
+                        "not a regex; use all-linear or list the module names")
+    elif not isinstance(targets, str):
+        targets = [str(t) for t in targets]
+    backend = _get(_get(rollout_cfg, "checkpoint_engine", None), "backend", "naive") if rollout_cfg is not None else "naive"
+    if backend != "naive":
+        problems.append(f"{ROLLOUT_PREFIX}.checkpoint_engine.backend={backend!r} with a LoRA adapter: verl's checkpoint "
+                        "engines send get_per_tensor_param()'s base weights only (no peft_config), so the adapter "
+                        f"would never reach the engine; use backend=naive (hybrid), or {MODEL_PREFIX}.lora.merge=True")
+    if rollout_cfg is not None and _get(rollout_cfg, "quantization", None) == "fp8":
+        problems.append(f"{ROLLOUT_PREFIX}.quantization='fp8' with a LoRA adapter: not served by sgl-rollout; use "
+                        f"{MODEL_PREFIX}.lora.merge=True, quantization=null, or {VERL_BUILTIN}")
+    if problems:
+        raise UnsupportedVerlFeature("sgl-rollout (rollout.name=sglang) does not serve:\n  " + "\n  ".join(problems))
+    return {"lora_rank": rank, "lora_alpha": float(alpha), "lora_target_modules": targets}
+
+
+def _check_features(cfg, model_config) -> None:
+    """:func:`check_verl_features`, with LoRA served as an adapter accepted (and its keys checked)."""
+    verl_lora_settings(model_config, cfg)
+    view = _WithoutLora(model_config) if model_config is not None and lora_as_adapter(model_config) else model_config
+    check_verl_features(cfg, view)
+
+
+def rollout_config_for_verl(cfg, model_path: str, model_config=None, hf_config=None,
+                            rollout_mode: Optional[str] = None, prefix: str = ROLLOUT_PREFIX) -> RolloutConfig:
+    """:func:`~.verl_config.rollout_config_from_verl`, plus LoRA served as an adapter: the LoRA settings
+    of :func:`verl_lora_settings` and ``sleep_level=1`` (verl's adapter mode: the base weights stay in
+    the engine, only the KV cache is released, so the base is sent at most once)."""
+    settings = verl_lora_settings(model_config, cfg)
+    if settings is None:
+        return rollout_config_from_verl(cfg, model_path, model_config=model_config, hf_config=hf_config,
+                                        rollout_mode=rollout_mode, prefix=prefix)
+    rc = rollout_config_from_verl(cfg, model_path, model_config=_WithoutLora(model_config), hf_config=hf_config,
+                                  rollout_mode=rollout_mode, prefix=prefix)
+    return RolloutConfig(**{**rc.model_dump(), **settings, "sleep_level": 1})
 
 #: Replica roles (verl's ``is_reward_model`` / ``is_teacher_model`` flags) -> name part.
 ROLES = ("rollout", "reward", "teacher")
@@ -275,7 +374,12 @@ class VerlRolloutServer(RolloutServer):
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         params["max_new_tokens"] = self._max_new_tokens(params, len(ids))
         await self._admit()
-        gen = (await self.generate_batch([ids], params, n=1, return_logprob=return_logprob))[0][0]
+        lora_path = self._request_adapter()
+        if lora_path is None:
+            gen = (await self.generate_batch([ids], params, n=1, return_logprob=return_logprob))[0][0]
+        else:
+            gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
+                                                     lora_path=lora_path))[0][0]
         token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
         if return_logprob and len(log_probs) != len(token_ids):
             # SGLang can report a logprob without a token (max_new_tokens=0) or none on an abort;
@@ -285,6 +389,64 @@ class VerlRolloutServer(RolloutServer):
             token_ids, log_probs = [], []
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=gen.finish_reason,
                            extra_fields={"global_steps": self.global_steps})
+
+    # -------------------------------------------------------------- LoRA adapter
+    def _request_adapter(self) -> Optional[str]:
+        """The adapter every request carries (verl's adapter mode), once one is loaded; None before
+        (the base alone; PEFT initialises ``lora_B`` to zero, so an untrained adapter changes nothing)."""
+        if not self.config.lora_enabled:
+            return None
+        if VERL_ADAPTER_NAME in self._engine.lora_adapters:
+            return VERL_ADAPTER_NAME
+        if not getattr(self, "_warned_no_adapter", False):
+            self._warned_no_adapter = True
+            logger.warning("LoRA is on but no adapter is loaded yet: serving the base weights alone")
+        return None
+
+    async def base_sync_needed(self) -> bool:
+        """:func:`~sgl_rollout.weight_sync.lora.needs_base_sync` for this engine, from what it recorded
+        (syncs, releases of the weights tag, restarts)."""
+        await self._engine.async_settle()
+        return lora_sync.engine_needs_base_sync(self._engine)
+
+    async def load_lora_adapter(self, name: str, payload: bytes, config_dict: dict) -> dict:
+        """Load (or replace) adapter ``name`` from a serialized payload
+        (:func:`~sgl_rollout.weight_sync.lora.build_adapter_payload`), inside its own sync fence, then
+        flush the prefix cache.
+
+        Returns:
+            ``{"name", "version", "nbytes"}``.
+
+        Raises:
+            BaseWeightsMissing: the engine lacks its base weights (send them first); nothing was sent.
+            MemoryStateError: weights released, requests running, or another operation in progress.
+            ValueError, SyncValidationError: the config cannot be served by this engine.
+            RuntimeError: SGLang refused the adapter (the previous version still serves).
+        """
+        engine = self._engine
+        await engine.async_settle()
+        if lora_sync.engine_needs_base_sync(engine):
+            raise lora_sync.BaseWeightsMissing(
+                f"the engine lacks its base weights (load_format={self.config.load_format!r}, synced="
+                f"{engine.weights_synced}, weights released since={engine.weights_released_since_sync}, engine "
+                f"start {engine.generation}): the base must be synced before adapter {name!r}; nothing was sent")
+        await engine.async_begin_sync()
+        ok = False
+        try:
+            record = await engine.async_load_lora_adapter_from_tensors(name, payload, config_dict)
+            ok = True
+        finally:
+            engine.end_sync(ok)
+        await engine.async_flush_cache()
+        return {"name": record.name, "version": record.version, "nbytes": record.nbytes}
+
+    async def lora_status(self) -> dict:
+        """``{"adapters": {name: version}, "base_sync_needed": bool, "weights_synced": bool,
+        "weights_released_since_sync": bool, "generation": int}``."""
+        e = self._engine
+        return {"adapters": {n: a.version for n, a in e.lora_adapters.items()},
+                "base_sync_needed": lora_sync.engine_needs_base_sync(e), "weights_synced": e.weights_synced,
+                "weights_released_since_sync": e.weights_released_since_sync, "generation": e.generation}
 
     async def abort_all_requests(self, reject_request: bool = False, timeout_s: float = 60.0) -> None:
         """Pause generation and abort what runs (verl's partial rollout, before a checkpoint-engine sync).
@@ -381,7 +543,7 @@ class SglRolloutReplica(RolloutReplica):
             raise UnsupportedVerlFeature(
                 "VERL_RL_INSIGHT_ENABLE=1: rl-insight scrapes rollout metrics over HTTP from each replica's "
                 f"address and sgl-rollout serves no HTTP; unset it, or {VERL_BUILTIN}")
-        check_verl_features(self.config, self.model_config)
+        _check_features(self.config, self.model_config)
 
     @property
     def name(self) -> str:
@@ -407,8 +569,8 @@ class SglRolloutReplica(RolloutReplica):
         ])
         devices = merge_visible_devices([cvd or ",".join(gpus) for _node, cvd, gpus in infos])
         mode = self.rollout_mode.value if self.rollout_mode is not None else None
-        cfg = rollout_config_from_verl(self.config, model_path_of(self.model_config), model_config=self.model_config,
-                                       rollout_mode=mode)
+        cfg = rollout_config_for_verl(self.config, model_path_of(self.model_config), model_config=self.model_config,
+                                      rollout_mode=mode)
         server = launch_rollout_server(cfg, devices, node_id=infos[0][0], name=self.name,
                                        max_concurrency=self.max_concurrency,
                                        actor_cls=_bind_server(self.server_class, self.config, self.model_config, mode))
@@ -534,8 +696,8 @@ class SglRolloutAdapter(BaseRollout):
 
     def __init__(self, config, model_config, device_mesh=None, *args, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
-        self.rollout_config = rollout_config_from_verl(self.config, model_path_of(self.model_config),
-                                                       model_config=self.model_config)
+        self.rollout_config = rollout_config_for_verl(self.config, model_path_of(self.model_config),
+                                                      model_config=self.model_config)
         self.sleep_level = self.rollout_config.sleep_level
         self.tp_size = self.rollout_config.tensor_model_parallel_size
         rank = int(os.environ.get("RANK", "0"))
@@ -550,6 +712,9 @@ class SglRolloutAdapter(BaseRollout):
         self._manifest = _UNSET
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._server = None
+        #: weight syncs of this rank: full (base) syncs sent, base syncs verl offered and the rule
+        #: skipped, adapter syncs
+        self.base_syncs = self.base_syncs_skipped = self.adapter_syncs = 0
         logger.info("rollout.name=sglang answered by sgl-rollout (replica %d, TP rank %d of %d)",
                     self.replica_rank, self.tp_rank, self.tp_size)
 
@@ -736,11 +901,20 @@ class SglRolloutAdapter(BaseRollout):
                 iterable (verl's checkpoint engines' ``receive_weights``); tensors of any dtype on this
                 worker's GPU (or CPU).
             wire_format: only ``"named_tensors"``.
-            peft_config, base_sync_done: verl's LoRA flags; an adapter sync is refused.
+            peft_config: verl's LoRA adapter config (dict or ``peft.LoraConfig``) when it serves LoRA as
+                an adapter, else None (full or merged weights).
+            base_sync_done: with ``peft_config``: True: ``weights`` is the adapter (PEFT names), loaded
+                as this replica's adapter (:data:`VERL_ADAPTER_NAME`), replacing the previous version;
+                False: ``weights`` is the base model, sent only when the engine lacks it
+                (:func:`~sgl_rollout.weight_sync.lora.needs_base_sync`, asked of the engine actor),
+                else drained on every rank and dropped. Ignored without ``peft_config``.
             global_steps: the trainer step of these weights, reported in ``TokenOutput.extra_fields``.
 
         Raises:
-            NotImplementedError: ``wire_format`` other than ``"named_tensors"``, or a LoRA adapter sync.
+            NotImplementedError: ``wire_format`` other than ``"named_tensors"``, or ``peft_config`` for an
+                engine started without LoRA (``model.lora.merge=True``).
+            BaseWeightsMissing: an adapter for an engine that lacks its base weights (it restarted, say);
+                nothing was sent.
             SyncValidationError: the weights do not match the model's manifest (names, shapes, dtypes).
             RuntimeError: another TP rank failed, or the ranks disagree on the number of buckets.
             MemoryStateError, EngineDeadError, EngineClosedError: from the engine actor, unchanged.
@@ -748,11 +922,23 @@ class SglRolloutAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise NotImplementedError(f"wire_format={wire_format!r} is not supported by sgl-rollout; set "
                                       f"{ROLLOUT_PREFIX}.checkpoint_engine.backend to a full-weight backend")
-        if peft_config is not None and base_sync_done:
-            raise NotImplementedError("LoRA adapter sync is not supported by sgl-rollout; set "
-                                      "actor_rollout_ref.model.lora.merge=True")
         if isinstance(weights, Mapping):
             raise TypeError("weights is a dict: pass dict.items() (verl passes a generator of (name, tensor))")
+        if peft_config is not None:
+            if not self.rollout_config.lora_enabled:
+                raise NotImplementedError(
+                    "verl passed a LoRA adapter (peft_config) but this engine serves no adapters: it was started "
+                    f"without LoRA; set {MODEL_PREFIX}.lora_rank > 0 without lora.merge, or lora.merge=True")
+            self._ensure_tp_group()
+            if base_sync_done:
+                await self._update_adapter(weights, peft_config, global_steps)
+                return
+            if not await self._base_needed():
+                await _drain(weights)  # verl's generator may run collectives: every rank reads it
+                self.base_syncs_skipped += 1
+                logger.info("base weights not resent: the engine kept them (sleep level %d, free_cache_engine=%s)",
+                            self.sleep_level, self.rollout_config.free_cache_engine)
+                return
         self._ensure_tp_group()
         leader = self.is_leader_rank
         named = self._named_tensors(weights)
@@ -800,6 +986,7 @@ class SglRolloutAdapter(BaseRollout):
                     break
                 bucket += 1
             ok = True
+            self.base_syncs += 1
         finally:
             await _aclose(named)
             if leader:
@@ -811,3 +998,73 @@ class SglRolloutAdapter(BaseRollout):
                     logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
         if leader and global_steps is not None:
             await self.server.set_global_steps.remote(global_steps)
+
+    async def _base_needed(self) -> bool:
+        """The engine actor's answer to the base-resend rule, the same on every TP rank."""
+        need, exc = None, None
+        if self.is_leader_rank:
+            try:
+                need = bool(await self.server.base_sync_needed.remote())
+            except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
+                exc, need = e, f"{_ERR}: the engine could not tell whether it holds its base weights: {e}"
+        need = self._broadcast(need)
+        if isinstance(need, str):
+            if exc is not None:
+                raise exc
+            raise RuntimeError(need[len(_ERR) + 2:])
+        return need
+
+    async def _update_adapter(self, weights, peft_config, global_steps: Optional[int]) -> None:
+        """Every rank reads verl's adapter tensors; the leader checks them (against the model's manifest and
+        the engine's LoRA settings) and hands the engine actor one by-value payload; a failure on any rank
+        or in the engine raises on every rank."""
+        leader = self.is_leader_rank
+        status, local_exc, payload = None, None, None
+        try:
+            items = await _collect(weights)
+            if leader:
+                payload = lora_sync.build_adapter_payload(items, peft_config, manifest=self._sync_manifest(),
+                                                          engine_config=self.rollout_config)
+            del items
+        except Exception as exc:  # noqa: BLE001 - reported to every TP rank, re-raised below
+            local_exc, status = exc, (_ERR, f"{type(exc).__name__}: {exc}")
+        statuses = self._gather(status)
+        engine_exc = None
+        if leader:
+            errors = [f"TP rank {r}: {p[1]}" for r, p in enumerate(statuses) if isinstance(p, tuple) and p[:1] == (_ERR,)]
+            if errors:
+                status = f"{_ERR}: the adapter sync failed on " + "; ".join(errors)
+            else:
+                try:
+                    await self.server.load_lora_adapter.remote(VERL_ADAPTER_NAME, payload.data, payload.config)
+                    status = _DONE
+                except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
+                    engine_exc, status = exc, f"{_ERR}: the engine refused the adapter: {exc}"
+        status = self._broadcast(status)
+        if status != _DONE:
+            if local_exc is not None:
+                raise local_exc
+            if engine_exc is not None:
+                raise engine_exc
+            raise RuntimeError(status[len(_ERR) + 2:])
+        self.adapter_syncs += 1
+        if leader and global_steps is not None:
+            await self.server.set_global_steps.remote(global_steps)
+
+
+async def _collect(weights) -> list:
+    """All ``(name, tensor)`` pairs of a sync or async iterable."""
+    if hasattr(weights, "__aiter__"):
+        return [item async for item in weights]
+    return list(weights)
+
+
+async def _drain(weights) -> None:
+    """Read a sync or async iterable to its end, keeping nothing; then close it."""
+    if hasattr(weights, "__aiter__"):
+        async for _ in weights:
+            pass
+        await _aclose(weights)
+    else:
+        for _ in weights:
+            pass
