@@ -356,3 +356,16 @@ def test_strided_and_cast_sources_take_the_general_copy():
     sender.send(w)
     assert sender.ping() > 0
     assert_same_params(models, reference(2, w))
+
+
+def test_trainer_parameters_that_require_grad_are_sent():
+    w = [(n, t.float().requires_grad_()) for n, t in hf_weights(seed=17)]
+    models = [SGLangShaped()]
+    sender = FastPathSender(SGLangLikeEngine(models), manifest_of(w), 1 << 20, devices=["cpu"])
+    sender.send(w)
+    assert sender.covered and sender.buffer_bytes > 0
+    ref = reference(1, [(n, t.detach()) for n, t in w])
+    assert_same_params(models, ref)
+    w_bf16 = [(n, t.detach().bfloat16().requires_grad_()) for n, t in w]  # the torch.cat path
+    sender.send(w_bf16)
+    assert_same_params(models, reference(1, [(n, t.detach()) for n, t in w_bf16]))

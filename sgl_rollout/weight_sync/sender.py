@@ -262,6 +262,11 @@ class FastPathSender:
         return len(self.devices)
 
     @property
+    def buffer_bytes(self) -> int:
+        """Bytes of GPU memory the buffers and status blocks hold now (all ranks)."""
+        return sum(x.numel() for x in self._buffers + self._status if x is not None)
+
+    @property
     def holds_buffers(self) -> bool:
         """True while a buffer or status block is allocated (and shared with the engine)."""
         return any(x is not None for x in self._buffers + self._status)
@@ -366,10 +371,11 @@ class FastPathSender:
         """
         t0 = self._t_mark = time.perf_counter()
         self.timings = {}
-        if partial or not self.ensure_plan():
-            stats = self._send_load(named_tensors, validator)
-        else:
-            stats = self._send_plan(named_tensors, validator)
+        with torch.no_grad():  # trainer parameters require grad; copies into the buffer must not record
+            if partial or not self.ensure_plan():
+                stats = self._send_load(named_tensors, validator)
+            else:
+                stats = self._send_plan(named_tensors, validator)
         if stats.n_buckets:
             self.engine.flush_cache()
         stats.seconds = time.perf_counter() - t0

@@ -129,6 +129,10 @@ def test_sleep_frees_weights_and_kv_cache(llama_1b):
     woke, _ = device_memory()
     print(f"wake took back {(asleep - woke) / 2**30:.2f} GiB; phases {worker.last_phase_seconds}")
     assert asleep - woke >= 0.98 * (weight_bytes + kv_bytes)
-    assert abs(woke - awake) < 0.05 * (weight_bytes + kv_bytes)
+    # the fast path keeps its bucket buffer (at most one bucket) until the next level-2 sleep
+    kept = worker._fast.buffer_bytes if worker._fast is not None else 0
+    print(f"fast-path buffers kept until the next sleep: {kept / 2**30:.2f} GiB")
+    assert kept <= worker.config.bucket_bytes + (1 << 21)
+    assert abs(woke - awake - kept) < 0.05 * (weight_bytes + kv_bytes)
     out = worker.generate([[1, 2, 3]], {"max_new_tokens": 4, "ignore_eos": True})
     assert len(out[0][0].output_ids) == 4
