@@ -145,7 +145,7 @@ def bench_sync(args) -> Dict:
     model_dir = os.path.join(args.workdir, "llama-1.1b")
     make_llama_dir(model_dir, LLAMA_1B)
     cfg = RolloutConfig(model_path=model_dir, load_format="dummy", gpu_memory_utilization=args.mem_fraction,
-                        enforce_eager=True, engine_kwargs=gpu_engine_flags())
+                        enforce_eager=True, fast_sync=True, engine_kwargs=gpu_engine_flags())
     default_mb = cfg.update_weights_bucket_megabytes
     named = llama_named_tensors(LLAMA_1B)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)

@@ -132,6 +132,8 @@ class RolloutConfig(BaseModel):
             (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
             one persistent IPC buffer per engine and one batched copy per bucket on each side. Models
             whose layout the plan does not cover use SGLang's ``flattened_bucket`` path (logged once).
+            Off by default until the worker's whole GPU suite has passed on it (bit-exactness and the
+            bench were measured on an H100; see README "Fast-path weight sync").
         layered_summon: gather the trainer's weights one decoder layer at a time for the sync
             (verl's ``rollout.layered_summon``), so the trainer's extra peak is one layer plus one
             bucket instead of a full copy of the weights; buckets close at layer boundaries.
@@ -171,7 +173,7 @@ class RolloutConfig(BaseModel):
     enforce_eager: bool = False
     max_num_seqs: Optional[int] = Field(None, ge=1)
     load_format: str = "auto"
-    fast_sync: bool = True
+    fast_sync: bool = False
     layered_summon: bool = False
     validate_sync: bool = True
     lora_rank: int = Field(0, ge=0, le=4096)

@@ -30,6 +30,7 @@ from .engine import Generation, RolloutEngine
 from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache, freeze_long_lived
 from .weight_sync import SyncStats, send_flattened_buckets
 from .weight_sync.bucket import NamedTensor
+from .weight_sync.layered import layer_index
 from .weight_sync.sender import FastPathSender
 from .weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 
@@ -136,9 +137,24 @@ class RolloutWorker:
         return bool(self.engine.state.released)
 
     # ----------------------------------------------------------------- API
-    def generate(self, input_ids: List[List[int]], sampling_params: Optional[dict] = None, n: int = 1, return_logprob: bool = True) -> List[List[Generation]]:
-        """Sample ``n`` completions per prompt; see :meth:`RolloutEngine.generate`."""
-        return self.engine.generate(input_ids, sampling_params, n=n, return_logprob=return_logprob)
+    def generate(self, input_ids: List[List[int]], sampling_params: Optional[dict] = None, n: int = 1,
+                 return_logprob: bool = True, lora_path: Optional[str] = None) -> List[List[Generation]]:
+        """Sample ``n`` completions per prompt; see :meth:`RolloutEngine.generate` (``lora_path``: a loaded
+        adapter's name, e.g. :meth:`update_adapter`'s ``name``)."""
+        return self.engine.generate(input_ids, sampling_params, n=n, return_logprob=return_logprob,
+                                    lora_path=lora_path)
+
+    def update_adapter(self, adapter, peft_config, base_weights=None, offload_trainer=None, name: str = "policy"):
+        """Staged wake with a LoRA adapter sync; base weights travel only when the engine lacks them
+        (:func:`sgl_rollout.weight_sync.lora.update_adapter`, where the rule and its errors are).
+
+        Returns:
+            AdapterSyncStats.
+        """
+        from .weight_sync.lora import update_adapter
+
+        return update_adapter(self, adapter, peft_config, base_weights=base_weights,
+                              offload_trainer=offload_trainer, name=name)
 
     def sleep(self) -> List[str]:
         """Release GPU memory per ``sleep_level``; nothing when ``free_cache_engine`` is False.
@@ -204,7 +220,10 @@ class RolloutWorker:
         sending leaves the engine refusing generates until a complete sync.
 
         Args:
-            named_tensors: (name, tensor) in Hugging Face naming, CPU or CUDA, consumed lazily.
+            named_tensors: (name, tensor) in Hugging Face naming, CPU or CUDA, consumed lazily. With
+                ``config.layered_summon``, pass :func:`~sgl_rollout.weight_sync.layered.iter_layered`
+                of the trainer's model (a generator: a list would gather everything first); buckets
+                then close at decoder-layer boundaries.
             offload_trainer: called once the engine holds the new weights and before the KV cache
                 returns; it should move the trainer's parameters, gradients and optimizer state off
                 the GPU.
@@ -250,9 +269,10 @@ class RolloutWorker:
                 self.engine.state.sync_sent()  # undefined until a complete sync
             t0 = self._phase("resume_weights", t0)
         fast = self._fast_sender()
+        group_of = layer_index if self.config.layered_summon else None
         with self.engine.weight_sync():
             if fast is not None:
-                stats = fast.send(items, validator=validator, partial=partial)
+                stats = fast.send(items, validator=validator, partial=partial, group_of=group_of)
             else:
                 stats = send_flattened_buckets(
                     self.engine,
@@ -260,6 +280,7 @@ class RolloutWorker:
                     bucket_bytes=self.config.bucket_bytes,
                     tp_size=self.config.tensor_model_parallel_size,
                     validator=validator,
+                    group_of=group_of,
                 )
         t0 = self._phase("sync", t0)
         if offload_trainer is not None:

@@ -68,3 +68,17 @@ def test_assignment_is_validated():
     cfg = RolloutConfig(model_path="/m")
     with pytest.raises(ValidationError):
         cfg.gpu_memory_utilization = 2.0
+
+
+def test_fast_sync_registers_the_loader_once_and_keeps_the_users():
+    from sgl_rollout.config import FAST_SYNC_LOADER
+
+    assert "custom_weight_loader" not in RolloutConfig(model_path="/m").to_server_args()  # off by default
+    kw = RolloutConfig(model_path="/m", fast_sync=True,
+                       engine_kwargs={"custom_weight_loader": ["my.loader", FAST_SYNC_LOADER]}).to_server_args()
+    assert kw["custom_weight_loader"] == ["my.loader", FAST_SYNC_LOADER]
+    kw = RolloutConfig(model_path="/m", fast_sync=True).to_server_args()
+    assert kw["custom_weight_loader"] == [FAST_SYNC_LOADER]
+    import importlib
+
+    assert callable(getattr(importlib.import_module(FAST_SYNC_LOADER.rsplit(".", 1)[0]), FAST_SYNC_LOADER.rsplit(".", 1)[1]))

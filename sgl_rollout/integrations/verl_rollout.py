@@ -857,7 +857,10 @@ class SglRolloutAdapter(BaseRollout):
         so the stream may read ahead as far as it needs (the manifest check reads to the end on a bad
         tensor) while the loop keeps running the generator.
         """
-        kwargs = dict(manifest=self._sync_manifest(), partial=False)
+        from ..weight_sync.layered import layer_index
+
+        kwargs = dict(manifest=self._sync_manifest(), partial=False,
+                      group_of=layer_index if self.rollout_config.layered_summon else None)
         if not hasattr(named, "__aiter__"):
             stream = BucketStream(named, self.rollout_config.bucket_bytes, **kwargs)
 

@@ -78,6 +78,7 @@ def send_flattened_buckets(
     device: Optional[Union[int, str, torch.device]] = None,
     on_bucket: Optional[Callable[[int, int], None]] = None,
     validator=None,
+    group_of: Optional[Callable[[str], object]] = None,
 ) -> SyncStats:
     """Send ``named_tensors`` to ``engine`` in flattened buckets of at most ``bucket_bytes``.
 
@@ -94,6 +95,8 @@ def send_flattened_buckets(
         on_bucket: called after each bucket with (bucket index, bytes) (progress reporting).
         validator: optional :class:`~.manifest.SyncValidator`; each tensor is checked as it is
             bucketed and a bucket with a bad tensor is never sent (see :func:`~.bucket.iter_buckets`).
+        group_of: optional function of a name; a bucket closes where its value changes (a layered
+            sync passes :func:`~.layered.layer_index`).
 
     Returns:
         SyncStats of the sync.
@@ -107,7 +110,7 @@ def send_flattened_buckets(
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     stats = SyncStats()
     t0 = time.perf_counter()
-    for i, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, validator=validator)):
+    for i, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, validator=validator, group_of=group_of)):
         data, flat = make_payload(bucket, device=device)
         result = engine.update_weights_from_tensor([data] * tp_size, load_format="flattened_bucket", flush_cache=False)
         _raise_on_failure(result)
@@ -155,10 +158,12 @@ class BucketStream:
             it is bucketed, and :meth:`next_payload` raises
             :class:`~.manifest.SyncValidationError` instead of returning a bad bucket.
         partial: with a manifest, allow a sync that leaves some weights out (default: a full sync).
+        group_of: optional function of a name; a bucket closes where its value changes (layered sync).
     """
 
     def __init__(self, named_tensors: Iterable[NamedTensor], bucket_bytes: int,
-                 device: Optional[Union[int, str, torch.device]] = None, manifest=None, partial: bool = False):
+                 device: Optional[Union[int, str, torch.device]] = None, manifest=None, partial: bool = False,
+                 group_of: Optional[Callable[[str], object]] = None):
         if device is None:
             device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         if isinstance(named_tensors, Mapping):
@@ -168,7 +173,7 @@ class BucketStream:
             from .manifest import SyncValidator
 
             validator = SyncValidator(manifest, partial=partial)
-        self._buckets = iter_buckets(named_tensors, bucket_bytes, validator=validator)
+        self._buckets = iter_buckets(named_tensors, bucket_bytes, validator=validator, group_of=group_of)
         self._device = device
         self._held = None
         self.stats = SyncStats()
@@ -351,7 +356,8 @@ class FastPathSender:
         return True
 
     # ------------------------------------------------------------- sync
-    def send(self, named_tensors: Iterable[NamedTensor], validator=None, partial: bool = False) -> SyncStats:
+    def send(self, named_tensors: Iterable[NamedTensor], validator=None, partial: bool = False,
+             group_of: Optional[Callable[[str], object]] = None) -> SyncStats:
         """Sync ``named_tensors`` (call inside ``engine.begin_sync()``/``end_sync()``).
 
         Args:
@@ -360,6 +366,10 @@ class FastPathSender:
             validator: optional :class:`~.manifest.SyncValidator`, checking each tensor before the
                 bucket that needs it is sent.
             partial: a sync of some weights only (goes through op ``load``).
+            group_of: on the ``load`` path, a bucket closes where its value changes (layered sync).
+                The plan path's buckets follow the plan; a source is dropped once the bucket with its
+                last piece is sent, so with a layered stream in model order the sender holds at most
+                about one bucket of gathered sources besides the buffer.
 
         Returns:
             SyncStats; ``bytes`` counts rank 0's bytes, ``max_bucket_bytes`` the largest buffer.
@@ -373,7 +383,7 @@ class FastPathSender:
         self.timings = {}
         with torch.no_grad():  # trainer parameters require grad; copies into the buffer must not record
             if partial or not self.ensure_plan():
-                stats = self._send_load(named_tensors, validator)
+                stats = self._send_load(named_tensors, validator, group_of)
             else:
                 stats = self._send_plan(named_tensors, validator)
         if stats.n_buckets:
@@ -381,9 +391,9 @@ class FastPathSender:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _send_load(self, named_tensors, validator) -> SyncStats:
+    def _send_load(self, named_tensors, validator, group_of=None) -> SyncStats:
         stats = SyncStats()
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes, validator=validator):
+        for bucket in iter_buckets(named_tensors, self.bucket_bytes, validator=validator, group_of=group_of):
             headers, bufs = [], []
             _, total = bucket_layout(bucket)
             # one buffer of min(bucket, model) bytes for the whole sync: a buffer replaced while the

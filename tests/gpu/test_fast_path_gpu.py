@@ -45,7 +45,8 @@ def _model(arch, tie, seed):
 
 def _worker(path, tp=1):
     cfg = RolloutConfig(model_path=path, dtype="bfloat16", gpu_memory_utilization=0.15, tensor_model_parallel_size=tp,
-                        update_weights_bucket_megabytes=1, enforce_eager=True, engine_kwargs=gpu_engine_flags())
+                        update_weights_bucket_megabytes=1, enforce_eager=True, fast_sync=True,
+                        engine_kwargs=gpu_engine_flags())
     return RolloutWorker(cfg)
 
 
