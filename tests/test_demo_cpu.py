@@ -484,3 +484,10 @@ def test_convert_gguf_tiny(tmp_path):
     stamp = (out / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(None, str(src), str(tmp_path / "hf")) == out
     assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_fast_sync_flag_reaches_the_rollout_config():
+    from sgl_rollout.demo.cli import build_parser, config_from_args
+
+    assert config_from_args(build_parser().parse_args([])).fast_sync is False
+    assert config_from_args(build_parser().parse_args(["--fast-sync"])).fast_sync is True

@@ -230,6 +230,9 @@ def test_two_replicas_get_distinct_addresses_and_share_requests(manager):
     assert all(o.token_ids == [8, 9, 10, 11] and len(o.log_probs) == 4 for o in outs)
     per_server = [_generates(s) - b for s, b in zip(servers, before)]
     assert sum(per_server) == 40 and min(per_server) > 0, per_server
+    # each server's own count (logged at every sleep) agrees with what its engine saw
+    counts = [ray.get(s.request_counts.remote()) for s in servers]
+    assert [c["since_sleep"] for c in counts] == per_server, counts
 
 
 def test_verl_sequence(manager, tiny_model, monkeypatch):

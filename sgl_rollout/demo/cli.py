@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mem-fraction", type=float, default=d.mem_fraction,
                    help="SGLang's share of GPU memory (weights + KV cache)")
     e.add_argument("--bucket-mb", type=int, default=d.bucket_mb, help="weight-sync bucket size (MiB)")
+    e.add_argument("--fast-sync", action="store_true",
+                   help="sync weights through the copy-plan fast path (persistent IPC buffer; README)")
     e.add_argument("--check-sync", action="store_true",
                    help="report the engine-vs-trainer logprob difference each step and fail above --sync-tol")
     e.add_argument("--sync-tol", type=float, default=d.sync_tol, help="largest accepted mean |logprob diff| (nats)")
@@ -149,7 +151,7 @@ def config_from_args(a) -> DemoConfig:
         temperature=a.temperature, lr=a.lr, kl_coef=a.kl_coef, clip_eps=a.clip_eps,
         mini_batches=a.mini_batches, micro_batch=a.micro_batch, eval_every=a.eval_every,
         eval_prompts=a.eval_prompts, digits=tuple(a.digits), format_weight=a.format_weight, seed=a.seed,
-        mem_fraction=a.mem_fraction, bucket_mb=a.bucket_mb, check_sync=a.check_sync, sync_tol=a.sync_tol,
+        mem_fraction=a.mem_fraction, bucket_mb=a.bucket_mb, fast_sync=a.fast_sync, check_sync=a.check_sync, sync_tol=a.sync_tol,
         progress=not a.no_progress, engine_kwargs=dict(a.engine_arg),
     )
 

@@ -65,6 +65,7 @@ class DemoConfig:
         seed: seed of the problems and of the shuffling.
         mem_fraction: SGLang's share of GPU memory for weights and KV cache.
         bucket_mb: weight-sync bucket size in MiB.
+        fast_sync: sync through the copy-plan fast path (``RolloutConfig.fast_sync``).
         check_sync: report and enforce the engine-vs-trainer logprob check (see module docstring).
         sync_tol: largest accepted mean absolute logprob difference (nats). Two bf16 implementations
             of the same weights differ by a few hundredths; weights that did not arrive (released
@@ -94,6 +95,7 @@ class DemoConfig:
     seed: int = 0
     mem_fraction: float = 0.3
     bucket_mb: int = 512
+    fast_sync: bool = False
     check_sync: bool = False
     sync_tol: float = 0.1
     progress: bool = True
@@ -210,7 +212,7 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
     engine_kwargs.setdefault("cuda_graph_max_bs", min(256, max(8, batch_size)))
     engine_kwargs.update(cfg.engine_kwargs)
     rcfg = RolloutConfig(model_path=str(model_dir), dtype="bfloat16", gpu_memory_utilization=cfg.mem_fraction,
-                         sleep_level=2, update_weights_bucket_megabytes=cfg.bucket_mb,
+                         sleep_level=2, update_weights_bucket_megabytes=cfg.bucket_mb, fast_sync=cfg.fast_sync,
                          max_num_seqs=max(batch_size, cfg.eval_prompts), engine_kwargs=engine_kwargs)
     timeline = MemoryTimeline()
     record_step: List[int] = []  # step of each timeline record (-1: start-up)

@@ -62,7 +62,7 @@ import os
 import socket
 import threading
 from collections.abc import Mapping
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import ray
 import torch
@@ -258,6 +258,7 @@ class VerlRolloutServer(RolloutServer):
         self._port_sock, self._port = reserve_port(self._host)
         self._accepting: Optional[asyncio.Event] = None
         self._reject = False
+        self._served = {"total": 0, "since_sleep": 0}
 
     # -------------------------------------------------------------- start-up
     def _resolve_model(self) -> None:
@@ -374,6 +375,8 @@ class VerlRolloutServer(RolloutServer):
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         params["max_new_tokens"] = self._max_new_tokens(params, len(ids))
         await self._admit()
+        self._served["total"] += 1
+        self._served["since_sleep"] += 1
         lora_path = self._request_adapter()
         if lora_path is None:
             gen = (await self.generate_batch([ids], params, n=1, return_logprob=return_logprob))[0][0]
@@ -477,6 +480,18 @@ class VerlRolloutServer(RolloutServer):
     async def clear_kv_cache(self) -> None:
         """Drop the prefix cache (nothing to drop while the KV cache is released)."""
         await self.flush_cache()
+
+    async def sleep(self) -> List[str]:
+        """Log how many requests this replica served since its last sleep (so a multi-replica run
+        shows that every replica generated), then release per ``sleep_level``."""
+        logger.info("sgl-rollout server %s:%s served %d requests since the last sleep (%d in all)",
+                    self._host, self._port, self._served["since_sleep"], self._served["total"])
+        self._served["since_sleep"] = 0
+        return await super().sleep()
+
+    def request_counts(self) -> Dict[str, int]:
+        """Requests admitted by :meth:`generate`: ``{"total", "since_sleep"}``."""
+        return dict(self._served)
 
     async def release_kv_cache(self) -> List[str]:
         """Release the KV cache (and CUDA-graph memory) if resident, keeping the weights; nothing when
