@@ -164,6 +164,8 @@ class RolloutWorker:
 
         Raises:
             MemoryStateError: already asleep, or requests are running.
+            FastPathError: before a level-2 release, the engine could not close the fast path's
+                buffers (nothing was released; the engine refuses generates until a complete sync).
         """
         self.last_phase_seconds = {}
         self.engine.settle()

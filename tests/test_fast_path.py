@@ -369,3 +369,19 @@ def test_trainer_parameters_that_require_grad_are_sent():
     w_bf16 = [(n, t.detach().bfloat16().requires_grad_()) for n, t in w]  # the torch.cat path
     sender.send(w_bf16)
     assert_same_params(models, reference(1, [(n, t.detach()) for n, t in w_bf16]))
+
+
+def test_an_engine_without_the_registered_loader_is_never_called():
+    # SGLang would raise NotImplementedError inside its scheduler for an unregistered load_format
+    from sgl_rollout.config import RolloutConfig
+
+    engine = SGLangLikeEngine([SGLangShaped()])
+    engine.config = RolloutConfig(model_path="/m")  # fast_sync off: the loader is not registered
+    w = hf_weights()
+    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    with pytest.raises(FastPathError, match="not launched with"):
+        sender.send(w)
+    assert engine.loader_calls == 0
+    engine.config = RolloutConfig(model_path="/m", fast_sync=True)
+    sender.send(w)
+    assert sender.covered and engine.loader_calls > 0

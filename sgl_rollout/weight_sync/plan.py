@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
@@ -80,10 +81,7 @@ class Chunk:
     @property
     def numel(self) -> int:
         """Elements copied."""
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return n
+        return math.prod(self.sizes)
 
     @property
     def nbytes(self) -> int:

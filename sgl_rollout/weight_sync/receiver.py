@@ -40,13 +40,14 @@ from __future__ import annotations
 import bisect
 import hashlib
 import logging
+import math
 import traceback
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .plan import FAILED, OK, STATUS_NAME, Chunk, encode_status, layout, parse_header, dtype_of
+from .plan import FAILED, OK, STATUS_NAME, Chunk, dtype_name, dtype_of, encode_status, layout, parse_header
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +133,10 @@ class _CopyTracer(TorchDispatchMode):
     weight).
     """
 
-    def __init__(self, src_flat: torch.Tensor, entries: List[list], starts: List[int], param_of: Dict[int, int]):
+    def __init__(self, src_flat: torch.Tensor, param_of: Dict[int, int]):
         super().__init__()
         self.src_storage = src_flat.untyped_storage()._cdata
-        self.entries, self.starts, self.param_of = entries, starts, param_of
+        self.param_of = param_of
         self.records: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
         self.fills: List[Tuple[torch.Tensor, float, int]] = []  # (destination view, value, parameter index)
         self.problems: List[str] = []
@@ -246,14 +247,11 @@ def trace_chunks(model, entries: List[list]) -> Tuple[List[torch.Tensor], List[C
     starts, total = [], 0
     for _name, dt, shape in entries:
         starts.append(total)
-        n = dtype_of(dt).itemsize
-        for d in shape:
-            n *= int(d)
-        total += (n + 63) // 64 * 64
+        total += (_nbytes(dt, shape) + 63) // 64 * 64
     flat = torch.empty(max(total, 1), dtype=torch.uint8, device="meta")
     views = [(name, flat[s : s + _nbytes(dt, shape)].view(dtype_of(dt)).view(shape))
              for (name, dt, shape), s in zip(entries, starts)]
-    tracer = _CopyTracer(flat, entries, starts, param_of)
+    tracer = _CopyTracer(flat, param_of)
     with torch.no_grad(), tracer:
         model.load_weights(views)
     if tracer.problems:
@@ -272,10 +270,7 @@ def trace_chunks(model, entries: List[list]) -> Tuple[List[torch.Tensor], List[C
 
 
 def _nbytes(dt: str, shape) -> int:
-    n = dtype_of(dt).itemsize
-    for d in shape:
-        n *= int(d)
-    return n
+    return dtype_of(dt).itemsize * math.prod(int(d) for d in shape)
 
 
 def _chunk(dst: torch.Tensor, src: torch.Tensor, pi: int, param: torch.Tensor, entries, starts) -> Chunk:
@@ -292,7 +287,7 @@ def _chunk(dst: torch.Tensor, src: torch.Tensor, pi: int, param: torch.Tensor, e
     if rel < 0 or rel + dst.numel() > param.numel():
         raise _Uncovered(f"{name}: copy outside its parameter")
     return Chunk(name, (pos - starts[k]) // src.element_size(), tuple(src.shape), tuple(src.stride()),
-                 str(dst.dtype).removeprefix("torch."), pi, rel)
+                 dtype_name(dst.dtype), pi, rel)
 
 
 def _dedup(chunks: List[Chunk]) -> List[Chunk]:

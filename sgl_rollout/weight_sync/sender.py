@@ -253,6 +253,8 @@ class FastPathSender:
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self.devices)
         self._status: List[Optional[torch.Tensor]] = [None] * len(self.devices)
         self._layouts: Optional[List[List[list]]] = None  # per rank, per bucket: list of Piece
+        self._plan_ids: List[str] = []
+        self._registered = False  # the engine's config was checked to list the loader
         self.covered: Optional[bool] = None
         self.reason = ""
         self.fault: Optional[str] = None  # tests: "raise" makes the next call's loader raise inside SGLang
@@ -289,13 +291,26 @@ class FastPathSender:
             buf = self._buffers[r] = torch.empty(nbytes, dtype=torch.uint8, device=self.devices[r])
         return buf
 
+    def _check_registered(self) -> None:
+        # SGLang raises NotImplementedError inside the scheduler for a load_format that is not in its
+        # custom_weight_loader list, which kills it and, through SIGQUIT, the trainer.
+        if self._registered:
+            return
+        config = getattr(self.engine, "config", None)
+        if config is not None and self.load_format not in (config.to_server_args().get("custom_weight_loader") or []):
+            raise FastPathError(f"the engine was not launched with {self.load_format} in custom_weight_loader "
+                                "(RolloutConfig(fast_sync=True)); nothing was sent")
+        self._registered = True
+
     def _call(self, headers: List[dict], buffers: List[Optional[torch.Tensor]], read_body: bool = False) -> List[dict]:
         """One ``update_weights_from_tensor`` with a request per rank; returns each rank's answer body.
 
         Raises:
-            FastPathError: a rank's loader failed or did not answer.
+            FastPathError: the engine's config does not register the loader (nothing sent), or a
+                rank's loader failed or did not answer.
             RuntimeError: SGLang itself reported a failure.
         """
+        self._check_registered()
         self._seq += 1
         seq = self._seq
         payloads = []
@@ -393,12 +408,13 @@ class FastPathSender:
 
     def _send_load(self, named_tensors, validator, group_of=None) -> SyncStats:
         stats = SyncStats()
+        model_bytes = self._manifest_bytes()
         for bucket in iter_buckets(named_tensors, self.bucket_bytes, validator=validator, group_of=group_of):
             headers, bufs = [], []
             _, total = bucket_layout(bucket)
             # one buffer of min(bucket, model) bytes for the whole sync: a buffer replaced while the
             # engine still holds its handle is not freed, so growing it per bucket would double the peak
-            size = max(total, min(self.bucket_bytes, self._manifest_bytes()))
+            size = max(total, min(self.bucket_bytes, model_bytes))
             for r in range(self.tp_size):
                 flat = flatten_bucket(bucket, device=self.devices[r], out=self._buffer(r, size))
                 headers.append(dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx, m.end_idx]
