@@ -467,9 +467,16 @@ class VerlRolloutServer(RolloutServer):
         self._engine.abort_all()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        next_abort = loop.time() + 0.2
         while self._engine.state.in_flight:
-            if loop.time() > deadline:
+            now = loop.time()
+            if now > deadline:
                 raise TimeoutError(f"{self._engine.state.in_flight} request(s) still run {timeout_s} s after abort")
+            if now > next_abort:
+                # a request admitted just before the gate closed may have reached SGLang after the
+                # abort: abort again until none runs (aborting an aborted request does nothing)
+                self._engine.abort_all()
+                next_abort = now + 0.2
             await asyncio.sleep(0.005)
 
     async def resume_generation(self) -> None:
