@@ -1,4 +1,5 @@
-"""Benchmarks. ``python -m sgl_rollout.bench sync`` times the weight sync into a real SGLang engine.
+"""Benchmarks. ``python -m sgl_rollout.bench sync`` times the weight sync into a real SGLang engine;
+``python -m sgl_rollout.bench lora`` times a LoRA adapter sync against a full sync (:func:`bench_lora`).
 
 Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 2048, 22 layers,
 32000 vocab, bf16, ``load_format="dummy"``), each the median of ``--repeats`` runs:
@@ -8,15 +9,19 @@ Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 20
 * ``slime_flat_512m``: SGLang's ``flattened_bucket`` format in 512 MiB buckets, as slime sends them;
 * ``flat_<default>m``: the same format in this package's default bucket
   (``RolloutConfig().update_weights_bucket_megabytes``): the path before the fast path;
-* ``fast_512m``, ``fast_<default>m``: the fast path (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`:
-  copy plan, persistent IPC buffer, one batched copy per bucket on each side), with the sender's
-  gather / SGLang round trip / status check split of the last run;
+* ``fast_512m``, ``fast_<default>m``, ``fast_3072m``: the fast path
+  (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`: copy plan, persistent IPC buffer, the
+  sender's gather into it, one scatter kernel on the receiving side), with the sender's gather /
+  SGLang round trip / status check split of the last run; 3072 MiB holds the whole model (one call);
+* ``fast_<default>m_copy``, ``_foreach``, ``_cat``: the default bucket with each gather method
+  (the rows above use ``"auto"``);
 * ``round_trip_fast_path``: one fast-path call that copies nothing (SGLang's request round trip);
 * ``flatten_only_2g``: building 2 GiB flattened buckets, no engine call;
 * ``split_with_sizes_copy``: scattering the same bytes from one buffer into 201 tensors in one kernel;
 * ``d2d_copy``: one device-to-device copy of the same bytes, the physical limit.
 
-It prints a table of median seconds and GB/s (1e9 bytes of tensor data per second) and writes JSON.
+The KV cache is released during all of them, as in a colocated RL step (so no sync pays SGLang's
+prefix-cache flush). It prints a table of median seconds and GB/s (1e9 bytes of tensor data per second) and writes JSON.
 Engine starts must sit under ``if __name__ == "__main__":`` (SGLang spawns its scheduler).
 """
 
@@ -32,10 +37,18 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
+#: A bucket (MiB) that holds the whole bench model: the fast path's one-call sync.
+ONE_BUCKET_MB = 3072
+
 # TinyLlama-1.1B's shape.
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
     num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
+)
+# SmolLM2-135M's shape (the demo's model; tied embeddings).
+SMOLLM2_135M = dict(
+    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
 )
 # Tiny Llama for exact comparisons against Hugging Face.
 LLAMA_TINY = dict(
@@ -61,8 +74,9 @@ def make_llama_dir(path: str, shape: Dict, dtype: torch.dtype = torch.bfloat16, 
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**shape, architectures=["LlamaForCausalLM"], tie_word_embeddings=False, initializer_range=init_std, torch_dtype=dtype,
-                      bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    fields = {k: v for k, v in shape.items() if k != "tie_word_embeddings"}
+    cfg = LlamaConfig(**fields, architectures=["LlamaForCausalLM"], tie_word_embeddings=bool(shape.get("tie_word_embeddings")),
+                      initializer_range=init_std, torch_dtype=dtype, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
     os.makedirs(path, exist_ok=True)
     if not with_weights:
         cfg.save_pretrained(path)
@@ -98,7 +112,33 @@ def llama_named_tensors(shape: Dict, device: str = "cuda", dtype: torch.dtype = 
             (p + "input_layernorm.weight", torch.ones(h, device=device, dtype=dtype)),
             (p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=dtype)),
         ]
-    out += [("model.norm.weight", torch.ones(h, device=device, dtype=dtype)), ("lm_head.weight", rnd(v, h))]
+    out.append(("model.norm.weight", torch.ones(h, device=device, dtype=dtype)))
+    if not shape.get("tie_word_embeddings"):
+        out.append(("lm_head.weight", rnd(v, h)))
+    return out
+
+
+#: Modules a LoRA adapter wraps in ``bench lora`` (PEFT's all-linear for Llama).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_named_tensors(shape: Dict, rank: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                       seed: int = 0) -> List[Tuple[str, torch.Tensor]]:
+    """Random adapter tensors with PEFT's names (``base_model.model.<module>.lora_A.weight``: ``(rank, in)``,
+    ``lora_B.weight``: ``(out, rank)``) on every :data:`LORA_TARGETS` module of a Llama of ``shape``."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # (in, out)
+    out = []
+    for layer in range(shape["num_hidden_layers"]):
+        for m in LORA_TARGETS:
+            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            p = f"base_model.model.model.layers.{layer}.{part}.{m}."
+            fan_in, fan_out = dims[m]
+            out.append((p + "lora_A.weight", (torch.randn(rank, fan_in, device=device, generator=g) * 0.01).to(dtype)))
+            out.append((p + "lora_B.weight", (torch.randn(fan_out, rank, device=device, generator=g) * 0.01).to(dtype)))
     return out
 
 
@@ -151,6 +191,10 @@ def bench_sync(args) -> Dict:
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     engine = RolloutEngine(cfg)
     try:
+        # as in a colocated RL step: the KV cache is released while the weights arrive (SGLang flushed the
+        # prefix cache when it released it, so no sync pays a flush)
+        engine.release(["kv_cache"])
+
         def per_tensor():
             with engine.weight_sync():
                 for group in _groups(named, 2 << 30):
@@ -170,12 +214,14 @@ def bench_sync(args) -> Dict:
                 flatten_bucket(bucket, device="cuda")
 
         manifest = WeightManifest.from_named_tensors(named)
-        senders = {mb: FastPathSender(engine, manifest, mb << 20) for mb in (512, default_mb)}
+        senders = {f"fast_{mb}m": FastPathSender(engine, manifest, mb << 20) for mb in (512, default_mb, ONE_BUCKET_MB)}
+        for method in ("copy", "foreach", "cat"):
+            senders[f"fast_{default_mb}m_{method}"] = FastPathSender(engine, manifest, default_mb << 20, gather=method)
 
-        def fast(mb):
+        def fast(key):
             def run():
                 with engine.weight_sync():
-                    senders[mb].send(named)
+                    senders[key].send(named)
             return run
 
         flat_all = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -186,10 +232,9 @@ def bench_sync(args) -> Dict:
             "verl_per_tensor_2g": per_tensor,
             "slime_flat_512m": flat(512),
             f"flat_{default_mb}m": flat(default_mb),
-            "fast_512m": fast(512),
-            f"fast_{default_mb}m": fast(default_mb),
+            **{key: fast(key) for key in senders},
             "flatten_only_2g": flatten_only,
-            "round_trip_fast_path": lambda: _ping(engine, senders[default_mb]),
+            "round_trip_fast_path": lambda: _ping(engine, senders[f"fast_{default_mb}m"]),
             "split_with_sizes_copy": lambda: torch.split_with_sizes_copy(flat_all, sizes, out=outs),
             "d2d_copy": lambda: dst.copy_(flat_all),
         }
@@ -199,8 +244,8 @@ def bench_sync(args) -> Dict:
             times = _timed(fn, args.repeats)
             med = statistics.median(times)
             results[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "times_s": times}
-            if name.startswith("fast_"):
-                snd = senders[int(name[5:-1])]
+            if name in senders:
+                snd = senders[name]
                 results[name]["last_parts_s"] = dict(snd.timings)
                 results[name]["buckets"] = len(snd._layouts[0]) if snd.covered else None
                 results[name]["covered"] = snd.covered
@@ -212,14 +257,17 @@ def bench_sync(args) -> Dict:
             base = torch.cuda.memory_allocated()
             flat(mb)()
             peak[f"flat_{mb}m"] = torch.cuda.max_memory_allocated() - base
-        for mb, snd in senders.items():
+        for key, snd in senders.items():
             with engine.weight_sync():
                 snd.release()  # the buffer is allocated again by the measured sync
+        for key in senders:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            fast(mb)()
-            peak[f"fast_{mb}m"] = torch.cuda.max_memory_allocated() - base
+            fast(key)()
+            peak[key] = torch.cuda.max_memory_allocated() - base
+            with engine.weight_sync():
+                senders[key].release()
     finally:
         engine.shutdown()
     return {
@@ -233,6 +281,71 @@ def bench_sync(args) -> Dict:
         "results": results,
         "sender_peak_extra_bytes": peak,
     }
+
+
+def bench_lora(args) -> Dict:
+    """Adapter sync vs full sync, per model shape (the demo's SmolLM2-135M and the 1.1B Llama): one engine
+    each with LoRA on (``lora_rank=args.rank``, all-linear targets), the KV cache released as in a
+    colocated step; medians of ``args.repeats`` of a full sync (flattened buckets, this package's
+    default bucket) and of an adapter sync (:class:`~sgl_rollout.weight_sync.lora.AdapterSync`: check,
+    serialize, SGLang's ``load_lora_adapter_from_tensors`` replacing the previous version)."""
+    from .config import RolloutConfig
+    from .engine import RolloutEngine
+    from .weight_sync import send_flattened_buckets
+    from .weight_sync.lora import AdapterSync
+    from .weight_sync.manifest import WeightManifest
+
+    out = {"device": torch.cuda.get_device_name(), "sglang": _version("sglang"), "rank": args.rank,
+           "repeats": args.repeats, "models": {}}
+    for label, shape in (("smollm2-135m", SMOLLM2_135M), ("llama-1.1b", LLAMA_1B)):
+        model_dir = os.path.join(args.workdir, label)
+        make_llama_dir(model_dir, shape)
+        cfg = RolloutConfig(model_path=model_dir, load_format="dummy", gpu_memory_utilization=args.mem_fraction,
+                            enforce_eager=True, lora_rank=args.rank, lora_target_modules=list(LORA_TARGETS),
+                            engine_kwargs=gpu_engine_flags())
+        named = llama_named_tensors(shape)
+        adapter = lora_named_tensors(shape, args.rank)
+        peft_config = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": list(LORA_TARGETS)}
+        engine = RolloutEngine(cfg)
+        try:
+            engine.release(["kv_cache"])
+            sync = AdapterSync(engine, manifest=WeightManifest.from_named_tensors(named))
+
+            def full():
+                with engine.weight_sync():
+                    send_flattened_buckets(engine, named, bucket_bytes=cfg.bucket_bytes)
+
+            full()
+            full_t = _timed(full, args.repeats)
+            sync.sync(adapter, peft_config)  # warm-up (the first version)
+            adapter_t, loads, builds = [], [], []
+            for _ in range(args.repeats):
+                st = sync.sync(adapter, peft_config)
+                adapter_t.append(st.seconds)
+                loads.append(st.load_seconds)
+                builds.append(st.build_seconds)
+            nbytes = sum(t.numel() * t.element_size() for _, t in named)
+            out["models"][label] = {
+                "base_bytes": nbytes, "base_tensors": len(named), "adapter_bytes": st.adapter_bytes,
+                "adapter_tensors": st.adapter_tensors, "full_sync_median_s": statistics.median(full_t),
+                "adapter_sync_median_s": statistics.median(adapter_t),
+                "adapter_load_median_s": statistics.median(loads), "adapter_build_median_s": statistics.median(builds),
+                "base_sent_after_first": st.base_sent,
+            }
+        finally:
+            engine.shutdown()
+    return out
+
+
+def print_lora_table(res: Dict) -> None:
+    """Print :func:`bench_lora`'s result (ms, MB)."""
+    print(f"\nLoRA rank {res['rank']} adapter sync vs full sync into SGLang {res['sglang']} on {res['device']}, "
+          f"median of {res['repeats']}")
+    print(f"{'model':<14}{'full MB':>9}{'full ms':>9}{'adapter MB':>12}{'adapter ms':>12}{'(SGLang load ms)':>18}")
+    for label, r in res["models"].items():
+        print(f"{label:<14}{r['base_bytes'] / 1e6:>9.0f}{r['full_sync_median_s'] * 1e3:>9.2f}"
+              f"{r['adapter_bytes'] / 1e6:>12.2f}{r['adapter_sync_median_s'] * 1e3:>12.2f}"
+              f"{r['adapter_load_median_s'] * 1e3:>18.2f}")
 
 
 def _ping(engine, sender) -> None:
@@ -272,12 +385,22 @@ def main(argv=None) -> int:
     s.add_argument("--mem-fraction", type=float, default=0.5)
     s.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
     s.add_argument("--out", default="bench_sync.json")
+    lo = sub.add_parser("lora", help="time an adapter sync against a full sync (demo model and 1.1B)")
+    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--repeats", type=int, default=5)
+    lo.add_argument("--mem-fraction", type=float, default=0.4)
+    lo.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
+    lo.add_argument("--out", default="bench_lora.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench sync needs a CUDA GPU", file=sys.stderr)
+        print(f"bench {args.cmd} needs a CUDA GPU", file=sys.stderr)
         return 2
-    res = bench_sync(args)
-    print_table(res)
+    if args.cmd == "lora":
+        res = bench_lora(args)
+        print_lora_table(res)
+    else:
+        res = bench_sync(args)
+        print_table(res)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {args.out}")

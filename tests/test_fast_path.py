@@ -171,12 +171,13 @@ def assert_same_params(models, refs):
     (2, True, False, True),     # Qwen3-like (q/k norm), tied, TP=2
 ])
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 3000])  # one bucket; many buckets with rows split between them
-def test_fast_path_equals_load_weights_bit_for_bit(tp_size, tie, bias, qk_norm, bucket_bytes):
+@pytest.mark.parametrize("gather", ["auto", "copy", "foreach", "cat"])
+def test_fast_path_equals_load_weights_bit_for_bit(tp_size, tie, bias, qk_norm, bucket_bytes, gather):
     kw = dict(tie=tie, bias=bias, qk_norm=qk_norm)
     models = [SGLangShaped(r, tp_size, **kw) for r in range(tp_size)]
     engine = SGLangLikeEngine(models)
     w0 = hf_weights(seed=0, **kw)
-    sender = FastPathSender(engine, manifest_of(w0), bucket_bytes, devices=["cpu"] * tp_size)
+    sender = FastPathSender(engine, manifest_of(w0), bucket_bytes, devices=["cpu"] * tp_size, gather=gather)
     for seed in (1, 2):  # two syncs through the same plan and buffers
         weights = hf_weights(seed=seed, **kw)
         stats = sender.send(iter(weights), validator=SyncValidator(manifest_of(w0)))
@@ -187,6 +188,37 @@ def test_fast_path_equals_load_weights_bit_for_bit(tp_size, tie, bias, qk_norm, 
         assert stats.n_buckets > 5 and stats.max_bucket_bytes <= 3000
     # the plan's pieces of each bucket are merged into fewer copies on the receiving side
     assert sum(len(b) for b in sender._layouts[0]) >= stats.n_buckets
+
+
+def test_non_contiguous_trainer_tensors_are_sent_as_their_values():
+    # a transposed view (the values, not the memory order, are the weight), whole and split between buckets
+    w = [(n, t.t().contiguous().t() if t.dim() == 2 else t) for n, t in hf_weights(seed=21)]
+    assert any(not t.is_contiguous() for _, t in w)
+    for tp_size, bucket_bytes in ((1, 1 << 20), (2, 3000)):
+        models = [SGLangShaped(r, tp_size) for r in range(tp_size)]
+        sender = FastPathSender(SGLangLikeEngine(models), manifest_of(w), bucket_bytes, devices=["cpu"] * tp_size)
+        sender.send(w)
+        assert sender.covered
+        assert_same_params(models, reference(tp_size, [(n, t.contiguous()) for n, t in w]))
+
+
+def test_release_frees_the_buffers_views_included():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    w = hf_weights(seed=4)
+    sender = FastPathSender(SGLangLikeEngine([SGLangShaped()]), manifest_of(w), 3000, devices=["cpu"])
+    sender.send(w)
+    memory = StorageWeakRef(sender._buffers[0].untyped_storage())  # views of it (the gather's targets) hold it
+    assert not memory.expired()
+    sender.release()
+    assert not sender.holds_buffers and sender.buffer_bytes == 0
+    assert memory.expired()
+
+
+def test_unknown_gather_method_is_refused():
+    with pytest.raises(ValueError, match="gather must be one of"):
+        FastPathSender(SGLangLikeEngine([SGLangShaped()]), manifest_of(hf_weights()), 1 << 20, devices=["cpu"],
+                       gather="memcpy")
 
 
 def test_fp32_trainer_weights_are_cast_like_load_weights():

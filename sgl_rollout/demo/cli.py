@@ -1,8 +1,8 @@
 """Command line of the demo: ``python -m sgl_rollout demo`` / ``sgl-rollout demo``.
 
 Exit status: 0 done; 1 the sync check failed (``--check-sync``); 2 a requirement is missing (no CUDA
-GPU, SGLang or its kernels not installed or not loading, no model) or bad flags: one message on
-stderr, no traceback.
+GPU, SGLang or its kernels not installed or not loading, no model; ``peft`` with ``--lora``) or bad
+flags: one message on stderr, no traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import sys
 import time
 from typing import List, Optional
 
-from .loop import DemoConfig
+from ..config import ALL_LINEAR_MODULES
+from .loop import LORA_BASE_MODES, DemoConfig
 
 PROG = "sgl-rollout demo"
 
@@ -30,18 +31,23 @@ _REQUIRED = (
 )
 
 
-def missing_requirement() -> Optional[str]:
+#: what ``--lora`` needs besides :data:`_REQUIRED`
+_REQUIRED_LORA = (("peft", "peft for --lora (pip install peft)"),)
+
+
+def missing_requirement(lora: bool = False) -> Optional[str]:
     """What this machine lacks to run the demo, as one sentence; None when nothing is missing.
 
-    Checks, in order: a CUDA GPU visible to torch, the modules of :data:`_REQUIRED`, and that
-    ``sgl_kernel`` imports (it is built for one torch and CUDA version).
+    Checks, in order: a CUDA GPU visible to torch, the modules of :data:`_REQUIRED` (and, with
+    ``lora``, of :data:`_REQUIRED_LORA`), and that ``sgl_kernel`` imports (it is built for one torch
+    and CUDA version).
     """
     import torch
 
     if not torch.cuda.is_available():
         return (f"needs a CUDA GPU, and torch {torch.__version__} sees none "
                 "(torch.cuda.is_available() is False)")
-    for mod, what in _REQUIRED:
+    for mod, what in _REQUIRED + (_REQUIRED_LORA if lora else ()):
         if importlib.util.find_spec(mod) is None:
             return f"needs {what}: module '{mod}' is not installed"
     try:
@@ -73,6 +79,23 @@ def _engine_arg(s: str):
     return k.strip(), val
 
 
+def _targets(s: str):
+    names = tuple(dict.fromkeys(x.strip() for x in s.split(",") if x.strip()))
+    bad = [n for n in names if n not in ALL_LINEAR_MODULES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected module names from {','.join(ALL_LINEAR_MODULES)}, got {s!r}")
+    return names
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (a default the help text explains)."""
+
+    def _get_help_string(self, action):
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's argument parser (defaults from :class:`DemoConfig`)."""
     d = DemoConfig()
@@ -80,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Colocated GRPO on one GPU: SGLang rollout and training take turns, weights move "
                     "over CUDA IPC at every step, memory is released and resumed in stages.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", metavar="DIR", help="Hugging Face causal-LM folder (with a tokenizer that has a "
@@ -108,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--clip-eps", type=float, default=d.clip_eps, help="PPO clip range")
     t.add_argument("--mini-batches", type=int, default=d.mini_batches, help="AdamW steps per rollout batch")
     t.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per forward/backward")
+    lo = p.add_argument_group("LoRA")
+    lo.add_argument("--lora", type=int, default=d.lora_rank, metavar="RANK",
+                    help="train a LoRA adapter of this rank (the base frozen) and sync only what the engine lacks; "
+                         "0: full fine-tuning")
+    lo.add_argument("--lora-alpha", type=float, default=None, help="the adapter's lora_alpha (default: 2 * RANK)")
+    lo.add_argument("--lora-base", choices=LORA_BASE_MODES, default=None,
+                    help="kept (default): the engine keeps its base weights (sleep level 1) and each step syncs the "
+                         "adapter only; resent: the engine releases its weights at sleep (level 2) and the base "
+                         "is resent with the adapter every step (the comparison)")
+    lo.add_argument("--lora-targets", type=_targets, default=None, metavar="M1,M2,...",
+                    help="modules the adapter wraps (default: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     e = p.add_argument_group("engine and sync")
     e.add_argument("--mem-fraction", type=float, default=d.mem_fraction,
                    help="SGLang's share of GPU memory (weights + KV cache)")
@@ -136,6 +170,13 @@ def _check_args(p: argparse.ArgumentParser, a) -> None:
         (a.eval_every >= 1 and a.eval_prompts >= 1, "--eval-every and --eval-prompts must be >= 1"),
         (0 < a.mem_fraction < 1, "--mem-fraction must be in (0, 1)"),
         (a.bucket_mb >= 1, "--bucket-mb must be >= 1"),
+        (a.lora >= 0, "--lora must be >= 0 (0: no LoRA)"),
+        (a.lora > 0 or (a.lora_alpha is None and a.lora_base is None and a.lora_targets is None),
+         "--lora-alpha, --lora-base and --lora-targets need --lora RANK > 0"),
+        (a.lora_alpha is None or a.lora_alpha > 0, "--lora-alpha must be > 0"),
+        (not (a.lora > 0 and a.fast_sync and (a.lora_base or "kept") == "kept"),
+         "--fast-sync has nothing to speed up with --lora-base kept: no base weights travel, and the adapter "
+         "never goes through the fast path; drop --fast-sync or use --lora-base resent"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -153,6 +194,8 @@ def config_from_args(a) -> DemoConfig:
         eval_prompts=a.eval_prompts, digits=tuple(a.digits), format_weight=a.format_weight, seed=a.seed,
         mem_fraction=a.mem_fraction, bucket_mb=a.bucket_mb, fast_sync=a.fast_sync, check_sync=a.check_sync, sync_tol=a.sync_tol,
         progress=not a.no_progress, engine_kwargs=dict(a.engine_arg),
+        lora_rank=a.lora, lora_alpha=a.lora_alpha, lora_base=a.lora_base or "kept",
+        lora_targets=tuple(a.lora_targets) if a.lora_targets else None,
     )
 
 
@@ -167,7 +210,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _check_args(p, a)
     logging.basicConfig(level=getattr(logging, str(a.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    problem = missing_requirement()
+    problem = missing_requirement(lora=a.lora > 0)
     if problem:
         print(f"{PROG}: {problem}", file=sys.stderr)
         return 2

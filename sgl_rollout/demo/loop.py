@@ -12,6 +12,16 @@ Per step (the engine is awake and the trainer offloaded when a step starts):
 6. ``worker.update_weights(policy.named_parameters(), offload_trainer=...)``: the staged wake
    (weights resumed, buckets synced over CUDA IPC, trainer offloaded, cache emptied, KV cache resumed).
 
+LoRA (``lora_rank > 0``): the trainer trains a PEFT adapter over a frozen base, the engine starts with
+LoRA on and serves the adapter over its base weights (every generate names it: ``lora_path``), and
+step 6 is ``worker.update_adapter(adapter, peft_config, base_weights=..., offload_trainer=...)``.
+Whether the base travels too is decided by the worker's rule
+(:func:`sgl_rollout.weight_sync.lora.engine_needs_base_sync`), given the base as a callable that is
+only called when needed. ``lora_base="kept"``: the engine sleeps at level 1 (KV cache and CUDA graphs
+released, its base weights stay resident), so only the adapter travels; ``"resent"``: it sleeps at
+level 2 (weights released too) and the base is sent every step with the adapter (the comparison). The
+first adapter is loaded right after the engine starts, so step 0 already generates through it.
+
 Sync check: the old log-probs of step k are the trainer's log-probs of exactly the tokens the engine
 sampled at step k, under exactly the weights the engine should hold (the sync at the end of step
 k-1; for step 0 both sides loaded the same folder). Their mean absolute difference from the
@@ -72,6 +82,12 @@ class DemoConfig:
             at sleep level 2 and resumed undefined) by whole nats.
         progress: show the tqdm bar.
         engine_kwargs: extra SGLang ``ServerArgs``.
+        lora_rank: 0: full fine-tuning and full weight syncs. > 0: train and sync a LoRA adapter of this
+            rank (module docstring).
+        lora_alpha: the adapter's ``lora_alpha``; None: ``2 * lora_rank``.
+        lora_base: ``"kept"`` (the engine keeps its base weights: sleep level 1, adapter-only syncs) or
+            ``"resent"`` (sleep level 2, the base resent with the adapter every step).
+        lora_targets: modules the adapter wraps; None: q/k/v/o/gate/up/down projections.
     """
 
     model: Optional[str] = None
@@ -100,6 +116,26 @@ class DemoConfig:
     sync_tol: float = 0.1
     progress: bool = True
     engine_kwargs: Dict = field(default_factory=dict)
+    lora_rank: int = 0
+    lora_alpha: Optional[float] = None
+    lora_base: str = "kept"
+    lora_targets: Optional[Tuple[str, ...]] = None
+
+    @property
+    def lora(self) -> bool:
+        """True when the run trains a LoRA adapter."""
+        return self.lora_rank > 0
+
+    @property
+    def sleep_level(self) -> int:
+        """The engine's sleep level: 1 for a LoRA run that keeps the base in the engine, else 2."""
+        return 1 if self.lora and self.lora_base == "kept" else 2
+
+
+#: Name of the demo's adapter in the engine (``generate(..., lora_path=ADAPTER_NAME)``).
+ADAPTER_NAME = "policy"
+#: Values of ``DemoConfig.lora_base``.
+LORA_BASE_MODES = ("kept", "resent")
 
 
 class SyncCheckError(RuntimeError):
@@ -141,10 +177,12 @@ def engine_logprob_tensor(gens, shape) -> Tuple["object", "object"]:
 
 
 def evaluate(worker, tokenizer, problems: Sequence[task.Problem], prompt_ids: List[List[int]],
-             max_new_tokens: int, stop_ids: List[int]) -> float:
-    """Held-out accuracy in [0, 1] of greedy answers by the engine (which must be awake)."""
+             max_new_tokens: int, stop_ids: List[int], lora_path: Optional[str] = None) -> float:
+    """Held-out accuracy in [0, 1] of greedy answers by the engine (which must be awake); ``lora_path``:
+    the adapter to answer with (None: the engine's weights alone)."""
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids}
-    groups = worker.generate(prompt_ids, params, n=1, return_logprob=False)
+    kw = {"lora_path": lora_path} if lora_path is not None else {}
+    groups = worker.generate(prompt_ids, params, n=1, return_logprob=False, **kw)
     texts = tokenizer.batch_decode([g[0].output_ids for g in groups], skip_special_tokens=True)
     return sum(task.is_correct(t, p.answer) for t, p in zip(texts, problems)) / max(len(problems), 1)
 
@@ -161,7 +199,12 @@ def _fmt_line(row: dict, steps: int, show_lp: bool) -> str:
     if row.get("eval_acc") is not None:
         parts.append(f"eval acc {row['eval_acc']:.3f}")
     parts.append(f"rollout {row['rollout_tokens_per_s'] / 1e3:.1f}k tok/s")
-    if row.get("sync_ms") is not None:
+    if row.get("adapter_sync_ms") is not None:
+        parts.append(f"adapter {row['adapter_sync_ms']:.1f} ms")
+        if row.get("base_sent"):
+            parts.append(f"base {row['base_sync_ms']:.1f} ms")
+        parts.append(f"switch {row['switch_ms']:.1f} ms")
+    elif row.get("sync_ms") is not None:
         parts += [f"sync {row['sync_ms']:.1f} ms", f"switch {row['switch_ms']:.1f} ms"]
     parts.append(f"peak {row['peak_device_gib']:.2f} GiB")
     if show_lp and row.get("logprob_abs_diff") is not None:
@@ -180,21 +223,29 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
         device: the trainer's device; None is the current CUDA device.
 
     Raises:
-        sgl_rollout.demo.model.ModelSetupError: the model cannot be found or prepared.
+        sgl_rollout.demo.model.ModelSetupError: the model cannot be found or prepared, or (LoRA) the adapter
+            does not fit it or the engine (checked before the engine starts).
         SyncCheckError: with ``check_sync``, a logprob difference above ``sync_tol``.
+        ValueError: ``lora_base`` is not one of :data:`LORA_BASE_MODES`, or ``lora_rank`` < 0.
     """
     import torch
     from tqdm import tqdm
 
     from ..bench import gpu_engine_flags
-    from ..config import RolloutConfig
+    from ..config import RolloutConfig, lora_settings_from_peft
     from ..memory import MemoryTimeline
+    from ..weight_sync.lora import build_adapter_payload
+    from ..weight_sync.manifest import SyncValidationError
     from ..worker import RolloutWorker
     from . import plots
     from .grpo import group_advantages
-    from .model import load_tokenizer, resolve_model
+    from .model import ModelSetupError, load_tokenizer, resolve_model
     from .trainer import Trainer, pack
 
+    if cfg.lora_rank < 0:
+        raise ValueError(f"lora_rank must be >= 0, got {cfg.lora_rank}")
+    if cfg.lora and cfg.lora_base not in LORA_BASE_MODES:
+        raise ValueError(f"lora_base must be one of {LORA_BASE_MODES}, got {cfg.lora_base!r}")
     t_run = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model_dir = resolve_model(cfg.model, cfg.gguf, cfg.cache_dir)
@@ -204,16 +255,33 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
     (out / "config.json").write_text(json.dumps(dict(asdict(cfg), model_dir=str(model_dir)), indent=1, default=list))
     stop_ids = stop_token_ids(tok)
     device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    trainer = Trainer(str(model_dir), device, lr=cfg.lr, temperature=cfg.temperature, clip_eps=cfg.clip_eps,
-                      kl_coef=cfg.kl_coef, micro_batch=cfg.micro_batch, mini_batches=cfg.mini_batches,
-                      seed=cfg.seed)
+    try:
+        trainer = Trainer(str(model_dir), device, lr=cfg.lr, temperature=cfg.temperature, clip_eps=cfg.clip_eps,
+                          kl_coef=cfg.kl_coef, micro_batch=cfg.micro_batch, mini_batches=cfg.mini_batches,
+                          seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                          lora_targets=cfg.lora_targets)
+    except ValueError as e:  # peft found none of the LoRA targets in this model
+        if not cfg.lora:
+            raise
+        raise ModelSetupError(f"cannot put a LoRA adapter on {model_dir}: {e}") from None
     batch_size = cfg.prompts * cfg.samples
     engine_kwargs = dict(gpu_engine_flags())
     engine_kwargs.setdefault("cuda_graph_max_bs", min(256, max(8, batch_size)))
     engine_kwargs.update(cfg.engine_kwargs)
+    lora_kw = {}
+    if cfg.lora:
+        lora_kw = lora_settings_from_peft(trainer.peft_config)
     rcfg = RolloutConfig(model_path=str(model_dir), dtype="bfloat16", gpu_memory_utilization=cfg.mem_fraction,
-                         sleep_level=2, update_weights_bucket_megabytes=cfg.bucket_mb, fast_sync=cfg.fast_sync,
-                         max_num_seqs=max(batch_size, cfg.eval_prompts), engine_kwargs=engine_kwargs)
+                         sleep_level=cfg.sleep_level, update_weights_bucket_megabytes=cfg.bucket_mb,
+                         fast_sync=cfg.fast_sync, max_num_seqs=max(batch_size, cfg.eval_prompts),
+                         engine_kwargs=engine_kwargs, **lora_kw)
+    lora_path = ADAPTER_NAME if cfg.lora else None
+    gen_kw = {"lora_path": lora_path} if cfg.lora else {}
+    if cfg.lora:  # refuse an adapter the engine could not serve before spending the engine's start on it
+        try:
+            build_adapter_payload(trainer.adapter_state_dict(), trainer.peft_config, engine_config=rcfg)
+        except SyncValidationError as e:
+            raise ModelSetupError(f"the LoRA adapter cannot be served: {e}") from None
     timeline = MemoryTimeline()
     record_step: List[int] = []  # step of each timeline record (-1: start-up)
 
@@ -232,6 +300,15 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
         worker = worker_factory(rcfg, timeline)
     label(-1)
     engine_start_s = time.perf_counter() - t_engine
+    first_adapter = None
+    if cfg.lora:  # the initial adapter (PEFT starts lora_B at zero: the base's outputs), so step 0 uses it too
+        try:
+            first_adapter = worker.update_adapter(trainer.adapter_state_dict(), trainer.peft_config,
+                                                  base_weights=trainer.base_named_parameters, name=ADAPTER_NAME)
+        except BaseException:
+            worker.shutdown()
+            raise
+        label(-1)
 
     eval_problems = task.make_problems(cfg.seed, cfg.eval_prompts, "eval", cfg.digits)
     eval_ids = [task.prompt_ids(tok, p) for p in eval_problems]
@@ -251,14 +328,14 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
 
             eval_acc = None
             if step % cfg.eval_every == 0 or final:
-                eval_acc = evaluate(worker, tok, eval_problems, eval_ids, cfg.max_new_tokens, stop_ids)
+                eval_acc = evaluate(worker, tok, eval_problems, eval_ids, cfg.max_new_tokens, stop_ids, lora_path)
                 mark("eval", step)
             row["eval_acc"] = eval_acc
 
             problems = [next(train_stream) for _ in range(cfg.prompts)]
             pids = [task.prompt_ids(tok, p) for p in problems]
             t0 = time.perf_counter()
-            groups = worker.generate(pids, sampling, n=cfg.samples)
+            groups = worker.generate(pids, sampling, n=cfg.samples, **gen_kw)
             gen_s = time.perf_counter() - t0
             mark("generate", step)
             gens = [g for grp in groups for g in grp]
@@ -304,12 +381,20 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
                 mark("train", step)
                 row.update(loss=ts.loss, pg_loss=ts.pg_loss, kl=ts.kl, clip_frac=ts.clip_frac,
                            log_ratio_abs=ts.log_ratio_abs, grad_norm=ts.grad_norm)
-                stats = worker.update_weights(trainer.named_parameters(), offload_trainer=trainer.offload)
-                label(step)
+                if cfg.lora:
+                    # the base travels only when the worker's rule says the engine lacks it
+                    ad = worker.update_adapter(trainer.adapter_state_dict(), trainer.peft_config,
+                                                base_weights=trainer.base_named_parameters,
+                                                offload_trainer=trainer.offload, name=ADAPTER_NAME)
+                    label(step)
+                    row.update(adapter_sync_row(ad))
+                else:
+                    stats = worker.update_weights(trainer.named_parameters(), offload_trainer=trainer.offload)
+                    label(step)
+                    row.update(sync_ms=stats.seconds * 1e3, sync_gb_per_s=stats.gb_per_s, sync_bytes=stats.bytes,
+                               sync_buckets=stats.n_buckets)
                 ph = worker.last_phase_seconds
-                row.update(sync_ms=stats.seconds * 1e3, sync_gb_per_s=stats.gb_per_s, sync_bytes=stats.bytes,
-                           sync_buckets=stats.n_buckets, switch_ms=ph.get("switch_total", 0.0) * 1e3,
-                           phase_ms={k: v * 1e3 for k, v in ph.items()})
+                row.update(switch_ms=ph.get("switch_total", 0.0) * 1e3, phase_ms={k: v * 1e3 for k, v in ph.items()})
             else:
                 trainer.offload()
                 mark("offload_trainer", step)
@@ -335,15 +420,37 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
 
     png = plots.write_all(rows, timeline_rows, out)
     summary = summarize(rows, time.perf_counter() - t_run, engine_start_s, cfg, png, str(model_dir))
+    if cfg.lora:
+        summary.update(lora_targets=sorted(trainer.peft_config.target_modules),
+                       lora_alpha=float(trainer.peft_config.lora_alpha),
+                       trainable_params=trainer.trainable_parameters(),
+                       first_adapter=adapter_sync_row(first_adapter) if first_adapter is not None else None)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if failure:
         raise SyncCheckError(failure)
     return summary
 
 
+def adapter_sync_row(st) -> dict:
+    """Metrics of one adapter sync (an :class:`~sgl_rollout.weight_sync.lora.AdapterSyncStats`).
+
+    ``adapter_sync_ms``: checking and serializing the adapter plus SGLang's load; ``base_sync_ms``: the
+    base weights' sync when they were sent (else None); ``sync_ms``: both; ``sync_bytes``: adapter and
+    base bytes; ``adapter_bytes``: the adapter's tensor data.
+    """
+    adapter_s = st.build_seconds + st.load_seconds
+    sync_s = adapter_s + (st.base_seconds if st.base_sent else 0.0)
+    nbytes = st.adapter_bytes + st.base_bytes
+    return dict(adapter_sync_ms=adapter_s * 1e3, adapter_bytes=st.adapter_bytes, adapter_tensors=st.adapter_tensors,
+                adapter_payload_bytes=st.payload_bytes, adapter_version=st.version, base_sent=bool(st.base_sent),
+                base_sync_ms=st.base_seconds * 1e3 if st.base_sent else None, base_bytes=st.base_bytes,
+                sync_ms=sync_s * 1e3, sync_bytes=nbytes, sync_gb_per_s=nbytes / sync_s / 1e9 if sync_s > 0 else 0.0)
+
+
 def summarize(rows: List[dict], run_s: float, engine_start_s: float, cfg: DemoConfig, png: List[str],
               model_dir: str) -> dict:
-    """Closing figures of a run: times, reward and eval accuracy at the start and end, sync/switch ms."""
+    """Closing figures of a run: times, reward and eval accuracy at the start and end, sync/switch ms;
+    for a LoRA run also the adapter's sync (median ms, bytes) and how often the base was sent."""
     trained = [r for r in rows if not r["final"]]
     evals = [r for r in rows if r.get("eval_acc") is not None]
     diffs = [r["logprob_abs_diff"] for r in rows if r.get("logprob_abs_diff") is not None]
@@ -370,6 +477,14 @@ def summarize(rows: List[dict], run_s: float, engine_start_s: float, cfg: DemoCo
         "peak_device_gib_max": max((r["peak_device_gib"] for r in rows), default=None),
         "logprob_abs_diff_max": max(diffs) if diffs else None,
         "logprob_abs_diff_mean": statistics.fmean(diffs) if diffs else None,
+        "lora_rank": cfg.lora_rank,
+        "lora_base": cfg.lora_base if cfg.lora else None,
+        "sleep_level": cfg.sleep_level,
+        "adapter_sync_ms_median": med("adapter_sync_ms"),
+        "adapter_bytes": max((r["adapter_bytes"] for r in trained if r.get("adapter_bytes") is not None), default=None),
+        "base_sent": any(r.get("base_sent") for r in trained) if cfg.lora else None,
+        "base_sent_steps": sum(bool(r.get("base_sent")) for r in trained) if cfg.lora else None,
+        "base_sync_ms_median": med("base_sync_ms"),
         "plots": png,
     }
 
@@ -386,6 +501,16 @@ def closing_note(s: dict) -> str:
         f"median sync {f(s['sync_ms_median'], '.1f')} ms, train-to-rollout switch {f(s['switch_ms_median'], '.1f')} ms, "
         f"rollout-to-train {f(s['to_train_ms_median'], '.1f')} ms, peak device memory {f(s['peak_device_gib_max'], '.2f')} GiB",
     ]
+    if s.get("lora_rank"):
+        if s.get("lora_base") == "kept":
+            base = (f"base kept in the engine (sleep level {s.get('sleep_level')}), sent at "
+                    f"{s.get('base_sent_steps')} of {s['steps']} steps")
+        else:
+            base = (f"base resent with the adapter (sleep level {s.get('sleep_level')}) at {s.get('base_sent_steps')} "
+                    f"of {s['steps']} steps, median base sync {f(s.get('base_sync_ms_median'), '.1f')} ms")
+        lines.append(f"LoRA rank {s['lora_rank']}" + (f" (alpha {s['lora_alpha']:g})" if s.get("lora_alpha") else "")
+                     + f": median adapter sync {f(s.get('adapter_sync_ms_median'), '.1f')} ms "
+                     f"({f((s.get('adapter_bytes') or 0) / 2**20, '.2f')} MiB); {base}")
     if s.get("logprob_abs_diff_max") is not None:
         lines.append(f"engine vs trainer logprob |diff|: mean {f(s['logprob_abs_diff_mean'], '.4f')}, "
                      f"worst step {f(s['logprob_abs_diff_max'], '.4f')} nats")

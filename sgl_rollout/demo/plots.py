@@ -3,7 +3,7 @@
 * ``reward.png``: mean reward and fraction correct of each step's rollout, and held-out accuracy at
   the evaluated steps, by step;
 * ``memory_step.png``: device memory in use after each phase of one training step, which shows the
-  staged wake (weights back, sync, trainer offloaded, KV cache back);
+  staged wake (weights back, sync or adapter load, trainer offloaded, KV cache back);
 * ``memory_timeline.png``: device memory in use over the whole run, by wall time.
 
 Memory is the driver's view of the whole device (all processes: the trainer and SGLang's scheduler),
@@ -17,8 +17,11 @@ from typing import List, Optional
 
 GIB = 2**30
 
-#: Phases of the staged wake (``RolloutWorker.update_weights``), coloured apart in the plots.
-WAKE_PHASES = ("resume_weights", "sync", "offload_trainer", "empty_cache", "resume_kv_cache")
+#: Phases of the staged wake (``RolloutWorker.update_weights``; ``adapter``: a LoRA adapter's load in
+#: ``RolloutWorker.update_adapter``), coloured apart in the plots.
+WAKE_PHASES = ("resume_weights", "sync", "adapter", "offload_trainer", "empty_cache", "resume_kv_cache")
+#: Phases that end a training step: a weight sync, or a LoRA adapter load.
+SYNC_PHASES = ("sync", "adapter")
 TRAIN_PHASES = ("load_trainer", "score", "train")
 
 
@@ -65,7 +68,7 @@ def _phase_colour(phase: str) -> str:
 def pick_step(timeline: List[dict]) -> Optional[int]:
     """The step shown by :func:`plot_memory_step`: the second training step when there is one
     (the first allocates the trainer's state for the first time), else the first."""
-    steps = sorted({r["step"] for r in timeline if r["step"] >= 0 and r["phase"] == "sync"})
+    steps = sorted({r["step"] for r in timeline if r["step"] >= 0 and r["phase"] in SYNC_PHASES})
     if not steps:
         return None
     return steps[1] if len(steps) > 1 else steps[0]

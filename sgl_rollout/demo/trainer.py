@@ -9,6 +9,15 @@ Offload: parameters, master weights and optimizer state move between the GPU and
 buffers by swapping each tensor's ``.data``, so the optimizer's references stay valid and each
 round trip reuses the same pinned buffers. The reference policy (no grads) lives on CPU and visits
 the GPU only to score a batch; its CPU buffers are never written back.
+
+LoRA (``lora_rank > 0``): the policy is wrapped with ``peft`` (``LoraConfig`` + ``get_peft_model``, the
+adapter in the model's dtype, as SGLang computes it) and only the adapter is trained: the optimizer holds
+the adapter's parameters alone and the base stays frozen, bit for bit (it is never merged). The
+reference policy of the KL term is the base itself, scored under ``disable_adapter()`` instead of a
+second copy. The frozen base moves between the GPU and pinned memory read-only (its GPU copy is
+dropped at offload, never copied back). What the engine gets: :meth:`Trainer.adapter_state_dict`
+(PEFT's saved names, ``base_model.model.<module>.lora_A.weight``) and, when the engine lacks its base,
+:meth:`Trainer.base_named_parameters` (Hugging Face names, no LoRA tensors).
 """
 
 from __future__ import annotations
@@ -16,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -256,6 +265,11 @@ class TrainStats:
     optimizer_steps: int
 
 
+#: Modules a LoRA adapter targets unless told otherwise: every linear projection of a decoder layer
+#: (PEFT's ``"all-linear"`` for Llama-style models; the output layer is not among them).
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class Trainer:
     """Policy (bf16, trained), reference policy (bf16, CPU, no grads), optimizer and offloading.
 
@@ -268,28 +282,47 @@ class Trainer:
         micro_batch: rows per forward/backward.
         mini_batches: optimizer steps per GRPO update (the rollout batch is split in this many).
         seed: shuffling seed.
+        lora_rank: 0: full fine-tuning. > 0: train a LoRA adapter of this rank only (see the module docstring).
+        lora_alpha: the adapter's ``lora_alpha``; None: ``2 * lora_rank``.
+        lora_targets: module names the adapter wraps; None: :data:`DEFAULT_LORA_TARGETS`.
 
     After construction everything is on the CPU; call :meth:`load` before training.
+
+    Raises:
+        ImportError: ``lora_rank > 0`` and ``peft`` is not installed.
+        ValueError: ``peft`` finds none of ``lora_targets`` in the model.
     """
 
     def __init__(self, model_dir: str, device, lr: float, temperature: float, clip_eps: float = 0.2,
                  kl_coef: float = 0.02, micro_batch: int = 32, mini_batches: int = 2,
-                 weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0, seed: int = 0):
+                 weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0, seed: int = 0,
+                 lora_rank: int = 0, lora_alpha: Optional[float] = None,
+                 lora_targets: Optional[Sequence[str]] = None):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
+        if lora_rank < 0:
+            raise ValueError(f"lora_rank must be >= 0, got {lora_rank}")
         self.device = torch.device(device)
+        self.lora = lora_rank > 0
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per copy would break the demo's log
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
             self.ref = None
-            if kl_coef > 0:
+            if kl_coef > 0 and not self.lora:  # LoRA: the reference is the base, under disable_adapter()
                 self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
                 self.ref.requires_grad_(False)
         finally:
             if bars:
                 hf_logging.enable_progress_bar()
+        self.peft_config = None
+        if self.lora:
+            self.peft_config = lora_config(lora_rank, lora_alpha, lora_targets)
+            from peft import get_peft_model
+
+            # the adapter in the model's dtype (bf16), as SGLang computes LoRA; the optimizer keeps fp32 masters
+            self.model = get_peft_model(self.model, self.peft_config, autocast_adapter_dtype=False).eval()
         self.optim = MasterAdamW(self.model.parameters(), lr=lr, weight_decay=weight_decay,
                                  max_grad_norm=max_grad_norm)
         self.temperature = temperature
@@ -300,30 +333,82 @@ class Trainer:
         self._rng = random.Random(seed)
         self._policy_off = Offloader(self._policy_tensors, self.device)
         self._ref_off = Offloader(self._ref_tensors, self.device, read_only=True) if self.ref is not None else None
+        # LoRA: the frozen base never changes on the GPU, so its offload drops the GPU copy without copying
+        self._base_off = Offloader(self._frozen_tensors, self.device, read_only=True) if self.lora else None
         self.on_gpu = False
 
     def _policy_tensors(self):
-        yield from self.model.parameters()
+        for p in self.model.parameters():
+            if not self.lora or p.requires_grad:
+                yield p
         yield from self.model.buffers()
         yield from self.optim.state_tensors()
+
+    def _frozen_tensors(self):
+        for p in self.model.parameters():
+            if not p.requires_grad:
+                yield p
 
     def _ref_tensors(self):
         yield from self.ref.parameters()
         yield from self.ref.buffers()
 
     def named_parameters(self):
-        """(name, tensor) of the policy in Hugging Face naming (tied weights listed once)."""
+        """(name, tensor) of the policy in Hugging Face naming (tied weights listed once). Full
+        fine-tuning only: a LoRA policy is :meth:`base_named_parameters` plus :meth:`adapter_state_dict`."""
+        if self.lora:
+            raise RuntimeError("a LoRA policy has no single set of Hugging Face weights: sync "
+                               "adapter_state_dict() (and base_named_parameters() when the engine lacks its base)")
         return self.model.named_parameters()
+
+    def trainable_parameters(self) -> int:
+        """Number of trained parameter elements (the adapter's with LoRA)."""
+        return sum(p.numel() for p in self.optim.params)
+
+    def adapter_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The LoRA adapter as PEFT saves it (``get_peft_model_state_dict``): names
+        ``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``, the tensors themselves (no copies;
+        on the GPU while the trainer is loaded).
+
+        Raises:
+            RuntimeError: not a LoRA trainer.
+        """
+        if not self.lora:
+            raise RuntimeError("adapter_state_dict() of a trainer without LoRA (lora_rank=0)")
+        from peft.utils.save_and_load import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(self.model)
+
+    def base_named_parameters(self) -> List[Tuple[str, torch.Tensor]]:
+        """The frozen base weights of a LoRA policy in Hugging Face naming, as the checkpoint has them:
+        no ``base_model.model.`` prefix, no LoRA tensors, PEFT's ``.base_layer`` level removed (tied weights
+        listed once). Not merged: the adapter is not in them.
+
+        Raises:
+            RuntimeError: not a LoRA trainer.
+        """
+        if not self.lora:
+            raise RuntimeError("base_named_parameters() of a trainer without LoRA (lora_rank=0): use named_parameters()")
+        out = []
+        for name, p in self.model.get_base_model().named_parameters():
+            if ".lora_" in name:
+                continue
+            out.append((name.replace(".base_layer.", "."), p.detach()))
+        return out
 
     def load(self) -> None:
         """Policy, masters and optimizer state to the GPU."""
         self._policy_off.to_gpu()
+        if self._base_off is not None:
+            self._base_off.to_gpu()
         self.on_gpu = True
 
     def offload(self) -> None:
         """Policy, masters and optimizer state to pinned CPU memory (gradients are dropped)."""
         self.optim.zero_grad()
         self._policy_off.to_cpu()
+        if self._base_off is not None:
+            self._base_off.to_cpu()
         self.on_gpu = False
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
@@ -331,10 +416,13 @@ class Trainer:
         return batched_logprobs(self.model, batch, self.temperature, self.micro_batch, self.device)
 
     def ref_logprobs(self, batch: Batch) -> Optional[torch.Tensor]:
-        """Reference log-probs [B, C] (CPU, float32); the reference visits the GPU for this only.
-        None when there is no KL term."""
-        if self.ref is None:
+        """Reference log-probs [B, C] (CPU, float32); the reference visits the GPU for this only (LoRA:
+        the base, i.e. the policy under ``disable_adapter()``). None when there is no KL term."""
+        if self.kl_coef <= 0:
             return None
+        if self.lora:
+            with self.model.disable_adapter():
+                return batched_logprobs(self.model, batch, self.temperature, self.micro_batch, self.device)
         self._ref_off.to_gpu()
         try:
             return batched_logprobs(self.ref, batch, self.temperature, self.micro_batch, self.device)
@@ -384,3 +472,22 @@ class Trainer:
             agg["grad_norm"] += self.optim.step()
             steps += 1
         return TrainStats(**{k2: v / steps for k2, v in agg.items()}, optimizer_steps=steps)
+
+
+def lora_config(rank: int, alpha: Optional[float] = None, targets: Optional[Sequence[str]] = None):
+    """The demo's ``peft.LoraConfig``: rank ``rank``, ``lora_alpha`` ``alpha`` (None: ``2 * rank``), the
+    modules ``targets`` (None: :data:`DEFAULT_LORA_TARGETS`), no dropout (the engine has none), no biases.
+
+    Raises:
+        ImportError: ``peft`` is not installed.
+        ValueError: ``rank`` < 1 or ``alpha`` <= 0.
+    """
+    from peft import LoraConfig
+
+    if rank < 1:
+        raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+    alpha = 2 * rank if alpha is None else alpha
+    if alpha <= 0:
+        raise ValueError(f"lora_alpha must be > 0, got {alpha}")
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets or DEFAULT_LORA_TARGETS),
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")

@@ -665,6 +665,8 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
 
         base_stats = worker.update_weights(base, offload_trainer=then)
         phases = dict(worker.last_phase_seconds)
+        if "offload_trainer" in phases:  # the worker timed then() whole: the adapter load is reported apart
+            phases["offload_trainer"] = max(0.0, phases["offload_trainer"] - stats.load_seconds)
         stats.base_sent, stats.base_tensors, stats.base_bytes = True, base_stats.n_tensors, base_stats.bytes
         stats.base_seconds = base_stats.seconds
         worker.last_phase_seconds = phases

@@ -327,6 +327,12 @@ class SyncValidator:
 
     def check(self, name, tensor) -> List[str]:
         """Check one item (:meth:`WeightManifest.check_tensor`, plus a name sent twice); record and return its problems."""
+        spec = self.manifest.specs.get(name) if type(name) is str else None
+        if (spec is not None and isinstance(tensor, torch.Tensor) and tensor.shape == spec.shape
+                and (tensor.dtype.is_floating_point if spec.dtype.is_floating_point else tensor.dtype == spec.dtype)
+                and name not in self.seen):  # the common case, in a few hundred nanoseconds
+            self.seen.add(name)
+            return []
         problems = self.manifest.check_tensor(name, tensor, suggest=self._unknown < MAX_SUGGESTED)
         if isinstance(name, str):
             self._unknown += name not in self.manifest

@@ -236,9 +236,17 @@ class FastPathSender:
         bucket_bytes: most bytes per bucket (and per buffer).
         devices: one device per TP rank for that rank's buffer (the rank's GPU); None: the current
             CUDA device for every rank (the CPU without CUDA: tests).
+        gather: how a bucket is written into the buffer (:data:`GATHER_METHODS`, see :func:`_gather`):
+            ``"auto"`` (default: per-piece memcpy for big pieces, one ``torch.cat`` for many small ones),
+            ``"copy"``, ``"foreach"`` or ``"cat"``. The destinations are views of the persistent buffer
+            made once. All write the same bytes; ``python -m sgl_rollout.bench sync`` times each.
+
+    Raises:
+        ValueError: ``gather`` is not one of :data:`GATHER_METHODS`.
     """
 
-    def __init__(self, engine, manifest, bucket_bytes: int, devices: Optional[Sequence] = None, tp_size: int = 1):
+    def __init__(self, engine, manifest, bucket_bytes: int, devices: Optional[Sequence] = None, tp_size: int = 1,
+                 gather: str = "auto"):
         from ..config import FAST_SYNC_LOADER
 
         self.engine, self.manifest, self.bucket_bytes = engine, manifest, int(bucket_bytes)
@@ -246,6 +254,9 @@ class FastPathSender:
             dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             devices = [dev] * tp_size
         self.devices = [torch.device(d) for d in devices]
+        if gather not in GATHER_METHODS:
+            raise ValueError(f"gather must be one of {GATHER_METHODS}, got {gather!r}")
+        self.gather = gather
         self.load_format = FAST_SYNC_LOADER
         self.key = uuid.uuid4().hex
         self._seq = 0
@@ -253,6 +264,8 @@ class FastPathSender:
         self._buffers: List[Optional[torch.Tensor]] = [None] * len(self.devices)
         self._status: List[Optional[torch.Tensor]] = [None] * len(self.devices)
         self._layouts: Optional[List[List[list]]] = None  # per rank, per bucket: list of Piece
+        self._program: Optional[_SendProgram] = None  # the plan path's per-sync constants
+        self._dst_views: Dict[tuple, list] = {}  # (rank, bucket, buffer address) -> views of the buffer
         self._plan_ids: List[str] = []
         self._registered = False  # the engine's config was checked to list the loader
         self.covered: Optional[bool] = None
@@ -288,6 +301,7 @@ class FastPathSender:
         buf = self._buffers[r]
         if buf is None or buf.numel() < nbytes:
             self._buffers[r] = None
+            self._dst_views.clear()
             buf = self._buffers[r] = torch.empty(nbytes, dtype=torch.uint8, device=self.devices[r])
         return buf
 
@@ -367,6 +381,7 @@ class FastPathSender:
             return False
         self._plan_ids = [h["plan_id"] for h in headers]
         self._layouts = [layout([Chunk.from_list(c) for c in b["chunks"]], self.bucket_bytes) for b in bodies]
+        self._program = _SendProgram(self._layouts)
         self.covered = True
         return True
 
@@ -428,18 +443,12 @@ class FastPathSender:
         return sum((spec.nbytes + ALIGN - 1) // ALIGN * ALIGN for spec in self.manifest.specs.values())
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
-        layouts = self._layouts
-        n_buckets = max(len(lay) for lay in layouts)
-        # last bucket that needs each name (sources are dropped after it)
-        last_use: Dict[str, int] = {}
-        for lay in layouts:
-            for b, pieces in enumerate(lay):
-                for pc in pieces:
-                    last_use[pc.chunk.name] = max(last_use.get(pc.chunk.name, -1), b)
+        prog = self._program
         held: Dict[str, torch.Tensor] = {}
         items = iter(named_tensors)
         stats = SyncStats()
         seen = 0
+        check = validator.check if validator is not None else None
 
         def refuse_if_bad():
             if validator is not None and not validator.ok:
@@ -448,12 +457,12 @@ class FastPathSender:
                 validator.finish()
                 validator.raise_if_failed()
 
-        for b in range(n_buckets):
-            needed = {pc.chunk.name for lay in layouts if b < len(lay) for pc in lay[b]}
-            while not needed <= held.keys():
+        for b in range(prog.n_buckets):
+            wanted = prog.needed[b] - held.keys()
+            while wanted:
                 item = next(items, None)
                 if item is None:
-                    missing = sorted(needed - held.keys())
+                    missing = sorted(wanted)
                     if validator is not None:
                         validator.finish()
                         validator.raise_if_failed()
@@ -461,32 +470,37 @@ class FastPathSender:
                                                f"{missing[:5]}"])
                 name, tensor = _checked_item(item)
                 seen += 1
-                if validator is not None:
-                    validator.check(name, tensor)
-                if name in last_use and last_use[name] >= b:
+                if check is not None:
+                    check(name, tensor)
+                if prog.last_use.get(name, -1) >= b:
                     held[name] = tensor
+                    wanted.discard(name)
             refuse_if_bad()
             headers, bufs = [], []
-            for r, lay in enumerate(layouts):
-                if b >= len(lay):
+            for r, ops in enumerate(prog.ops):
+                if b >= len(ops):
                     headers.append(dict(op="copy", plan_id=self._plan_ids[r], bucket=-1))
                     bufs.append(None)
                     continue
-                buf = self._buffer(r, max(bucket_size(p) for p in lay))
-                _gather(lay[b], held, buf)
+                buf = self._buffer(r, prog.buffer_bytes[r])
+                key = (r, b, buf.data_ptr())
+                dsts = self._dst_views.get(key)
+                if dsts is None:
+                    dsts = self._dst_views[key] = [op.dst_view(buf) for op in ops[b].ops]
+                _gather(ops[b], held, buf, dsts, self.gather)
                 headers.append(dict(op="copy", plan_id=self._plan_ids[r], bucket=b))
                 bufs.append(buf)
             self._call(headers, bufs)
             stats.n_buckets += 1
-            stats.bytes += sum(pc.chunk.nbytes for pc in layouts[0][b]) if b < len(layouts[0]) else 0
+            stats.bytes += prog.bytes_rank0[b]
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, *(x.numel() for x in self._buffers if x is not None))
-            for name in [n for n in held if last_use[n] <= b]:
-                del held[name]
+            for name in prog.drop_after[b]:
+                held.pop(name, None)
         for item in items:  # names without chunks (a tied lm_head): checked, not sent
             name, tensor = _checked_item(item)
             seen += 1
-            if validator is not None:
-                validator.check(name, tensor)
+            if check is not None:
+                check(name, tensor)
         if validator is not None:
             validator.finish()
             validator.raise_if_failed()
@@ -520,6 +534,7 @@ class FastPathSender:
             self._call(headers, [None] * self.tp_size)
         self._buffers = [None] * self.tp_size
         self._status = [None] * self.tp_size
+        self._dst_views.clear()  # views keep the buffers' storage alive
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
 
@@ -527,7 +542,13 @@ class FastPathSender:
         """Forget the engine's state after a restart (new plan, new handles); keeps nothing shared."""
         self.release(notify=False)
         self.key = uuid.uuid4().hex
-        self.covered, self._layouts, self.reason = None, None, ""
+        self.covered, self._layouts, self._program, self.reason = None, None, None, ""
+
+
+#: Ways :class:`FastPathSender` writes a bucket into its buffer (its ``gather`` argument).
+GATHER_METHODS = ("auto", "copy", "foreach", "cat")
+#: ``gather="auto"`` copies piece by piece when a bucket's pieces average this many bytes or more.
+AUTO_COPY_MIN_BYTES = 4 << 20
 
 
 def _contiguous_in_source(ch: Chunk) -> bool:
@@ -539,35 +560,90 @@ def _contiguous_in_source(ch: Chunk) -> bool:
     return True
 
 
-def _gather(pieces, held: Dict[str, torch.Tensor], buf: torch.Tensor) -> None:
-    """Write ``pieces`` of the sources in ``held`` into ``buf``: one ``torch.cat`` into the buffer
-    when every piece is a contiguous run of a same-dtype source on the buffer's device and the
-    pieces tile the buffer (1-2 tensor ops per piece on the CPU side), else ``_foreach_copy_``
-    (or per-piece ``copy_`` across devices and dtypes)."""
-    srcs, dts = [], []
-    tiles = pieces[0].start == 0
-    prev = 0
-    for pc in pieces:
+class _GatherOp:
+    """One piece of a bucket, with what the sender needs every sync computed once (plain attributes:
+    a sync of a few hundred tensors must cost little Python)."""
+
+    __slots__ = ("name", "offset", "sizes", "strides", "dtype", "start", "end", "numel", "run", "whole")
+
+    def __init__(self, pc):
         ch = pc.chunk
-        t = held[ch.name]
+        self.name, self.offset, self.sizes, self.strides = ch.name, ch.offset, torch.Size(ch.sizes), ch.strides
+        self.dtype = dtype_of(ch.dtype)
+        self.start, self.end, self.numel = pc.start, pc.end, ch.numel
+        self.run = _contiguous_in_source(ch)  # a contiguous run of the (contiguous) source
+        self.whole = self.run and ch.offset == 0  # the whole source, when its numel is ``numel``
+
+    def dst_view(self, buf: torch.Tensor) -> torch.Tensor:
+        """This piece's bytes of ``buf`` as a tensor of the piece's dtype and sizes."""
+        return buf[self.start : self.end].view(self.dtype).view(self.sizes)
+
+    def src(self, held: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The piece's elements of its source tensor (a view; the source made contiguous once if needed)."""
+        t = held[self.name]
+        if self.whole and t.numel() == self.numel:
+            return t if t.shape == self.sizes else t.reshape(self.sizes)
         if not t.is_contiguous():
-            t = held[ch.name] = t.contiguous()
-        dt = dtype_of(ch.dtype)
-        if _contiguous_in_source(ch):
-            flat = t.view(-1)
-            srcs.append(flat if ch.offset == 0 and ch.numel == flat.numel() else flat[ch.offset : ch.offset + ch.numel])
+            t = held[self.name] = t.contiguous()
+        return t.as_strided(self.sizes, self.strides, t.storage_offset() + self.offset)
+
+
+class _BucketOps:
+    """The pieces of one bucket of one TP rank, and what decides how they are gathered."""
+
+    __slots__ = ("ops", "tiles", "mean_bytes")
+
+    def __init__(self, pieces):
+        self.ops = [_GatherOp(pc) for pc in pieces]
+        prev, self.tiles = 0, True
+        for op in self.ops:  # contiguous pieces of one dtype from byte 0: torch.cat can write them
+            self.tiles = self.tiles and op.start == prev and op.dtype == self.ops[0].dtype
+            prev = op.end
+        self.mean_bytes = (self.ops[-1].end / len(self.ops)) if self.ops else 0.0
+
+
+class _SendProgram:
+    """The plan path's per-sync constants, from the layouts (per TP rank, per bucket, the pieces):
+    ops per rank and bucket, names each bucket needs, when each source may be dropped, bytes."""
+
+    def __init__(self, layouts: List[List[list]]):
+        self.ops = [[_BucketOps(pieces) for pieces in lay] for lay in layouts]
+        self.n_buckets = max(len(lay) for lay in layouts)
+        self.buffer_bytes = [max(bucket_size(p) for p in lay) for lay in layouts]
+        self.last_use: Dict[str, int] = {}
+        for lay in layouts:
+            for b, pieces in enumerate(lay):
+                for pc in pieces:
+                    self.last_use[pc.chunk.name] = max(self.last_use.get(pc.chunk.name, -1), b)
+        self.needed = [{pc.chunk.name for lay in layouts if b < len(lay) for pc in lay[b]}
+                       for b in range(self.n_buckets)]
+        self.drop_after = [[n for n, last in self.last_use.items() if last == b] for b in range(self.n_buckets)]
+        self.bytes_rank0 = [sum(pc.chunk.nbytes for pc in layouts[0][b]) if b < len(layouts[0]) else 0
+                            for b in range(self.n_buckets)]
+
+
+def _gather(bucket: _BucketOps, held: Dict[str, torch.Tensor], buf: torch.Tensor, dsts: List[torch.Tensor],
+            method: str = "auto") -> None:
+    """Write the pieces of ``bucket`` from the sources in ``held`` into ``buf`` (``dsts``: each piece's
+    view of it), by ``method`` (:data:`GATHER_METHODS`).
+
+    ``"copy"``: one ``copy_`` per piece (casts and moves across devices as needed; a same-dtype piece
+    is a device-to-device memcpy). ``"foreach"``: one ``torch._foreach_copy_`` when every source has its
+    destination's dtype and device. ``"cat"``: one ``torch.cat`` into the buffer when, besides, the
+    pieces tile it and every source is contiguous; else as ``"foreach"``. ``"auto"``: ``"copy"`` for
+    pieces of :data:`AUTO_COPY_MIN_BYTES` or more on average (the GPU is then the bound, and memcpy
+    is its fastest copy), else ``"cat"`` (one launch instead of one per piece: the CPU is the bound).
+    Either falls back to ``"copy"`` when its condition does not hold.
+    """
+    ops = bucket.ops
+    srcs = [op.src(held) for op in ops]
+    if method == "auto":
+        method = "copy" if bucket.mean_bytes >= AUTO_COPY_MIN_BYTES else "cat"
+    if method != "copy" and all(s.dtype == d.dtype and s.device == d.device for s, d in zip(srcs, dsts)):
+        if method == "cat" and bucket.tiles and all(s.is_contiguous() for s in srcs):
+            torch.cat([s.view(-1) for s in srcs], out=buf[: ops[-1].end].view(ops[0].dtype))
         else:
-            srcs.append(t.as_strided(ch.sizes, ch.strides, t.storage_offset() + ch.offset))
-            tiles = False
-        tiles = tiles and pc.start == prev and t.dtype == dt and t.device == buf.device
-        prev = pc.end
-        dts.append(dt)
-    if tiles and all(d == dts[0] for d in dts):
-        torch.cat(srcs, out=buf[:prev].view(dts[0]))
+            torch._foreach_copy_(dsts, srcs)
         return
-    dsts = [buf[pc.start : pc.end].view(dt).view(s.shape) for pc, dt, s in zip(pieces, dts, srcs)]
-    if all(s.dtype == d.dtype and s.device == d.device for s, d in zip(srcs, dsts)):
-        torch._foreach_copy_(dsts, srcs)
-    else:
-        for d, s in zip(dsts, srcs):
-            d.copy_(s, non_blocking=True)
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)

@@ -72,10 +72,12 @@ def bounds(model) -> dict:
     return {"layer": layer, "biggest": biggest, "total": sum(groups.values())}
 
 
-def check_peaks(model, device, out: dict, **kwargs) -> None:
+def check_peaks(model, flat_device, out: dict, **stream_kwargs) -> None:
+    """``flat_device``: where the buckets are flattened; ``stream_kwargs`` go to the streams (their
+    ``device``: where offloaded parameters are moved)."""
     b = bounds(model)
-    lay = sync_peak(lambda: iter_layered(model, **kwargs), device)
-    eager = sync_peak(lambda: iter_all_at_once(model, **kwargs), device)
+    lay = sync_peak(lambda: iter_layered(model, **stream_kwargs), flat_device)
+    eager = sync_peak(lambda: iter_all_at_once(model, **stream_kwargs), flat_device)
     out.update(bounds=b, layered=lay, all_at_once=eager)
     # exact: one bucket's gathered tensors (<= one layer) + its flat buffer + one tensor read ahead
     strict = min(b["layer"], max(BUCKET, b["biggest"])) + lay["max_flat"] + b["biggest"] + SLACK
