@@ -251,3 +251,30 @@ class FakeSGLangEngine:
 
 #: Older name kept for the tests that use it.
 FakeAsyncSGLangEngine = FakeSGLangEngine
+
+
+def hf_sample(model, prompt, sampling_params, generator):
+    """One completion of ``prompt`` (token ids) by a Hugging Face causal LM, as an engine double samples:
+    greedy at temperature 0, else multinomial with ``generator``; stops at ``max_new_tokens`` or a
+    ``stop_token_ids`` token. Returns (completion ids, their logprobs, finish reason "length"/"stop")."""
+    import torch
+
+    temp = sampling_params.get("temperature", 1.0)
+    stops = set(sampling_params.get("stop_token_ids", []))
+    ids, lps, finish = list(prompt), [], "length"
+    with torch.no_grad():
+        for _ in range(sampling_params["max_new_tokens"]):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+            if temp == 0:
+                tok = int(logits.argmax())
+                lp = float(torch.log_softmax(logits, -1)[tok])
+            else:
+                logp = torch.log_softmax(logits / temp, -1)
+                tok = int(torch.multinomial(logp.exp(), 1, generator=generator))
+                lp = float(logp[tok])
+            ids.append(tok)
+            lps.append(lp)
+            if tok in stops:
+                finish = "stop"
+                break
+    return ids[len(prompt):], lps, finish

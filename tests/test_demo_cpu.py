@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from fakes import hf_sample
 from sgl_rollout.demo import grpo, task
 from sgl_rollout.demo.model import load_tokenizer, save_byte_level_tokenizer
 
@@ -297,31 +298,13 @@ class HFStandIn:
         from sgl_rollout.engine import Generation
 
         assert not self.asleep, "generate while asleep"
-        temp = sampling_params.get("temperature", 1.0)
-        stops = set(sampling_params.get("stop_token_ids", []))
         out = []
-        with torch.no_grad():
-            for prompt in input_ids:
-                group = []
-                for _ in range(n):
-                    ids, lps, finish = list(prompt), [], "length"
-                    for _ in range(sampling_params["max_new_tokens"]):
-                        logits = self.model(torch.tensor([ids])).logits[0, -1].float()
-                        if temp == 0:
-                            tok = int(logits.argmax())
-                            lp = float(torch.log_softmax(logits, -1)[tok])
-                        else:
-                            logp = torch.log_softmax(logits / temp, -1)
-                            tok = int(torch.multinomial(logp.exp(), 1, generator=self.gen))
-                            lp = float(logp[tok])
-                        ids.append(tok)
-                        lps.append(lp)
-                        if tok in stops:
-                            finish = "stop"
-                            break
-                    gen_ids = ids[len(prompt):]
-                    group.append(Generation(gen_ids, lps if return_logprob else [], finish))
-                out.append(group)
+        for prompt in input_ids:
+            group = []
+            for _ in range(n):
+                gen_ids, lps, finish = hf_sample(self.model, prompt, sampling_params, self.gen)
+                group.append(Generation(gen_ids, lps if return_logprob else [], finish))
+            out.append(group)
         return out
 
     def sleep(self):

@@ -17,7 +17,7 @@ import pickle
 import pytest
 import torch
 
-from fakes import FakeSGLangEngine, FakeTokenizerManager
+from fakes import FakeSGLangEngine, FakeTokenizerManager, hf_sample
 from sgl_rollout.demo import task
 from sgl_rollout.demo.model import save_byte_level_tokenizer
 from sgl_rollout.weight_sync import lora
@@ -121,30 +121,12 @@ class HFLoraEngine(FakeSGLangEngine):
             if name not in self.lora:
                 raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
             model = self._model_for(name)
-        temp = sampling_params.get("temperature", 1.0)
-        stops = set(sampling_params.get("stop_token_ids", []))
         outs = []
-        with torch.no_grad():
-            for prompt in input_ids:
-                ids, lps, finish = list(prompt), [], "length"
-                for _ in range(sampling_params["max_new_tokens"]):
-                    logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
-                    if temp == 0:
-                        tok = int(logits.argmax())
-                        lp = float(torch.log_softmax(logits, -1)[tok])
-                    else:
-                        logp = torch.log_softmax(logits / temp, -1)
-                        tok = int(torch.multinomial(logp.exp(), 1, generator=self.gen))
-                        lp = float(logp[tok])
-                    ids.append(tok)
-                    lps.append(lp)
-                    if tok in stops:
-                        finish = "stop"
-                        break
-                out = ids[len(prompt):]
-                outs.append({"output_ids": out,
-                             "meta_info": {"output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, out)],
-                                           "finish_reason": {"type": finish}}})
+        for prompt in input_ids:
+            out, lps, finish = hf_sample(model, prompt, sampling_params, self.gen)
+            outs.append({"output_ids": out,
+                         "meta_info": {"output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, out)],
+                                       "finish_reason": {"type": finish}}})
         return outs
 
 

@@ -25,7 +25,8 @@ from sgl_rollout.demo.model import save_byte_level_tokenizer
 TOL = 0.15
 
 
-def test_demo_three_steps_tiny(tmp_path, monkeypatch, capsys):
+def run_tiny_demo(tmp_path, monkeypatch, *extra):
+    """Three steps of the demo on a random tiny Llama with a length-parity reward; returns (rc, run folder)."""
     model_dir = tmp_path / "tiny"
     make_llama_dir(str(model_dir), LLAMA_TINY, dtype=torch.bfloat16, with_weights=True, init_std=0.15)
     save_byte_level_tokenizer(model_dir, LLAMA_TINY["vocab_size"])
@@ -33,7 +34,12 @@ def test_demo_three_steps_tiny(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     rc = main(["--model", str(model_dir), "--out", str(out), "--steps", "3", "--prompts", "4", "--samples", "4",
                "--max-new-tokens", "16", "--eval-every", "2", "--eval-prompts", "8", "--lr", "1e-2",
-               "--mem-fraction", "0.15", "--check-sync", "--sync-tol", str(TOL), "--no-progress"])
+               "--mem-fraction", "0.15", "--check-sync", "--sync-tol", str(TOL), "--no-progress", *extra])
+    return rc, out
+
+
+def test_demo_three_steps_tiny(tmp_path, monkeypatch, capsys):
+    rc, out = run_tiny_demo(tmp_path, monkeypatch)
     printed = capsys.readouterr().out
     print(printed)
     assert rc == 0
@@ -71,15 +77,7 @@ def test_demo_lora_three_steps_tiny(tmp_path, monkeypatch, capsys, mode, extra):
     kept: sleep level 1, the base never travels; resent: sleep level 2, the base is resent every step
     (released weights come back undefined, so only a working base sync passes the check)."""
     pytest.importorskip("peft")
-    model_dir = tmp_path / "tiny"
-    make_llama_dir(str(model_dir), LLAMA_TINY, dtype=torch.bfloat16, with_weights=True, init_std=0.15)
-    save_byte_level_tokenizer(model_dir, LLAMA_TINY["vocab_size"])
-    monkeypatch.setattr(task, "reward", lambda text, answer, finished=True, format_weight=0.1: float(len(text) % 2))
-    out = tmp_path / "run"
-    rc = main(["--model", str(model_dir), "--out", str(out), "--steps", "3", "--prompts", "4", "--samples", "4",
-               "--max-new-tokens", "16", "--eval-every", "2", "--eval-prompts", "8", "--lr", "1e-2",
-               "--mem-fraction", "0.15", "--check-sync", "--sync-tol", str(TOL), "--no-progress",
-               "--lora", "4", "--lora-base", mode, *extra])
+    rc, out = run_tiny_demo(tmp_path, monkeypatch, "--lora", "4", "--lora-base", mode, *extra)
     printed = capsys.readouterr().out
     print(printed)
     assert rc == 0
