@@ -549,12 +549,7 @@ class AdapterSync:
         self.engine.settle()
         base = None
         if self.needs_base():
-            if base_weights is None:
-                raise BaseWeightsMissing(
-                    f"the engine lacks its base weights (load_format={self.engine.config.load_format!r}, "
-                    f"synced={self.engine.weights_synced}, weights released since={self.engine.weights_released_since_sync}): "
-                    "pass base_weights; nothing was sent")
-            base = base_weights() if callable(base_weights) else base_weights
+            base = _base_to_send(self.engine, base_weights, "sent")
             if isinstance(base, Mapping):
                 raise TypeError("base_weights is a dict: pass dict.items() (or model.named_parameters())")
             if isinstance(base, (list, tuple, ItemsView)) and self.manifest is not None:
@@ -585,6 +580,20 @@ class AdapterSync:
                     f" + base {stats.base_bytes / 1e6:.1f} MB" if stats.base_sent else " (base kept)",
                     stats.seconds * 1e3)
         return stats
+
+
+def _base_to_send(engine, base_weights, nothing_was: str):
+    """The base weights the rule asked for: ``base_weights`` called if callable.
+
+    Raises:
+        BaseWeightsMissing: ``base_weights`` is None (the message ends "nothing was <nothing_was>").
+    """
+    if base_weights is None:
+        raise BaseWeightsMissing(
+            f"the engine lacks its base weights (load_format={engine.config.load_format!r}, synced="
+            f"{engine.weights_synced}, weights released since={engine.weights_released_since_sync}): "
+            f"pass base_weights; nothing was {nothing_was}")
+    return base_weights() if callable(base_weights) else base_weights
 
 
 class _NoFlush:
@@ -651,12 +660,7 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
         worker.timeline.record("adapter")
 
     if sync.needs_base():
-        if base_weights is None:
-            raise BaseWeightsMissing(
-                f"the engine lacks its base weights (load_format={engine.config.load_format!r}, synced="
-                f"{engine.weights_synced}, weights released since={engine.weights_released_since_sync}): "
-                "pass base_weights; nothing was resumed or sent")
-        base = base_weights() if callable(base_weights) else base_weights
+        base = _base_to_send(engine, base_weights, "resumed or sent")
 
         def then():
             load_adapter()

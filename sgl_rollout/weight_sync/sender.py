@@ -564,15 +564,15 @@ class _GatherOp:
     """One piece of a bucket, with what the sender needs every sync computed once (plain attributes:
     a sync of a few hundred tensors must cost little Python)."""
 
-    __slots__ = ("name", "offset", "sizes", "strides", "dtype", "start", "end", "numel", "run", "whole")
+    __slots__ = ("name", "offset", "sizes", "strides", "dtype", "start", "end", "numel", "whole")
 
     def __init__(self, pc):
         ch = pc.chunk
         self.name, self.offset, self.sizes, self.strides = ch.name, ch.offset, torch.Size(ch.sizes), ch.strides
         self.dtype = dtype_of(ch.dtype)
         self.start, self.end, self.numel = pc.start, pc.end, ch.numel
-        self.run = _contiguous_in_source(ch)  # a contiguous run of the (contiguous) source
-        self.whole = self.run and ch.offset == 0  # the whole source, when its numel is ``numel``
+        # a contiguous run from the start of the (contiguous) source: the whole source when its numel is ``numel``
+        self.whole = ch.offset == 0 and _contiguous_in_source(ch)
 
     def dst_view(self, buf: torch.Tensor) -> torch.Tensor:
         """This piece's bytes of ``buf`` as a tensor of the piece's dtype and sizes."""

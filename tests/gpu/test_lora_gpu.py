@@ -88,14 +88,15 @@ def test_adapter_greedy_matches_hf_peft_and_a_new_version_changes_it(tiny_lora):
 
     got1 = engine_greedy(worker, PROMPTS, NEW_TOKENS, lora_path="policy")
     print("gaps vs HF+PEFT (max, swaps):", greedy_gaps(pm, PROMPTS, got1))
-    scaling = {k: dict(v) for k, v in ((n, m.scaling) for n, m in pm.named_modules() if hasattr(m, "scaling"))}
-    for m in pm.modules():
-        if hasattr(m, "scaling"):
+    scaled = [m for m in pm.modules() if hasattr(m, "scaling")]
+    saved = [m.scaling for m in scaled]
+    try:
+        for m in scaled:
             m.scaling = {k: 2 * v for k, v in m.scaling.items()}
-    print("gaps vs HF+PEFT with the adapter scaled x2 (what a wrong scale gives):", greedy_gaps(pm, PROMPTS, got1))
-    for n, m in pm.named_modules():
-        if n in scaling:
-            m.scaling = scaling[n]
+        print("gaps vs HF+PEFT with the adapter scaled x2 (what a wrong scale gives):", greedy_gaps(pm, PROMPTS, got1))
+    finally:
+        for m, s in zip(scaled, saved):
+            m.scaling = s
     assert_greedy_equal(pm, PROMPTS, got1)
     plain = engine_greedy(worker, PROMPTS, NEW_TOKENS)  # the base alone, in the same engine
     with pm.disable_adapter():
