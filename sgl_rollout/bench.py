@@ -318,18 +318,20 @@ def bench_lora(args) -> Dict:
             full()
             full_t = _timed(full, args.repeats)
             sync.sync(adapter, peft_config)  # warm-up (the first version)
-            adapter_t, loads, builds = [], [], []
+            adapter_t, loads, builds, parts = [], [], [], []
             for _ in range(args.repeats):
                 st = sync.sync(adapter, peft_config)
                 adapter_t.append(st.seconds)
                 loads.append(st.load_seconds)
                 builds.append(st.build_seconds)
+                parts.append(st.build_parts)
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             out["models"][label] = {
                 "base_bytes": nbytes, "base_tensors": len(named), "adapter_bytes": st.adapter_bytes,
                 "adapter_tensors": st.adapter_tensors, "full_sync_median_s": statistics.median(full_t),
                 "adapter_sync_median_s": statistics.median(adapter_t),
                 "adapter_load_median_s": statistics.median(loads), "adapter_build_median_s": statistics.median(builds),
+                "adapter_build_parts_median_s": {k: statistics.median(p[k] for p in parts) for k in parts[0]},
                 "base_sent_after_first": st.base_sent,
             }
         finally:
@@ -341,11 +343,13 @@ def print_lora_table(res: Dict) -> None:
     """Print :func:`bench_lora`'s result (ms, MB)."""
     print(f"\nLoRA rank {res['rank']} adapter sync vs full sync into SGLang {res['sglang']} on {res['device']}, "
           f"median of {res['repeats']}")
-    print(f"{'model':<14}{'full MB':>9}{'full ms':>9}{'adapter MB':>12}{'adapter ms':>12}{'(SGLang load ms)':>18}")
+    print(f"{'model':<14}{'full MB':>9}{'full ms':>9}{'adapter MB':>12}{'adapter ms':>12}{'(SGLang load ms)':>18}"
+          "  (build: check, flatten, serialize ms)")
     for label, r in res["models"].items():
+        parts = ", ".join(f"{v * 1e3:.2f}" for v in r.get("adapter_build_parts_median_s", {}).values())
         print(f"{label:<14}{r['base_bytes'] / 1e6:>9.0f}{r['full_sync_median_s'] * 1e3:>9.2f}"
               f"{r['adapter_bytes'] / 1e6:>12.2f}{r['adapter_sync_median_s'] * 1e3:>12.2f}"
-              f"{r['adapter_load_median_s'] * 1e3:>18.2f}")
+              f"{r['adapter_load_median_s'] * 1e3:>18.2f}  ({parts})")
 
 
 def _ping(engine, sender) -> None:

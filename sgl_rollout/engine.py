@@ -136,10 +136,23 @@ class LoraAdapter:
     nbytes: int = 0
 
 
+def _host_helper_pids() -> set:
+    """Pids of ``multiprocessing``'s helpers that serve the whole host process: the resource tracker and
+    the forkserver. They can start during an engine's launch (SGLang spawns its scheduler) without
+    belonging to it; killing the resource tracker loses its registry (leaked-semaphore warnings and a
+    ``KeyError`` from ``multiprocessing/resource_tracker.py`` at exit)."""
+    from multiprocessing import forkserver, resource_tracker
+
+    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
+            getattr(forkserver._forkserver, "_forkserver_pid", None)}
+    return {p for p in pids if p}
+
+
 def _child_pids() -> set:
+    """Pids of this process's children, ``multiprocessing``'s host-wide helpers excepted."""
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=False)}
+    return {p.pid for p in psutil.Process().children(recursive=False)} - _host_helper_pids()
 
 
 def _kill_trees(pids: Sequence[int], timeout_s: float = 10.0) -> None:

@@ -48,7 +48,9 @@ class RolloutWorker:
     Attributes:
         timeline: device memory after each phase (``sleep``, ``resume_weights``, ``sync``,
             ``offload_trainer``, ``empty_cache``, ``resume_kv_cache``, ``wake_up``).
-        last_phase_seconds: seconds each phase of the last sleep or wake took.
+        last_phase_seconds: seconds each phase of the last sleep or wake took; on the fast path also
+            ``sync.gather``, ``sync.call`` and ``sync.check`` (the sender's
+            :attr:`~sgl_rollout.weight_sync.sender.FastPathSender.timings`), and ``empty_cache.*``.
     """
 
     def __init__(
@@ -285,6 +287,8 @@ class RolloutWorker:
                     group_of=group_of,
                 )
         t0 = self._phase("sync", t0)
+        if fast is not None:  # sync.gather / sync.call / sync.check: where the fast path's time went
+            self.last_phase_seconds.update({f"sync.{k}": v for k, v in fast.timings.items()})
         if offload_trainer is not None:
             offload_trainer()
             t0 = self._phase("offload_trainer", t0)

@@ -56,3 +56,45 @@ def test_host_exits_after_a_killed_scheduler(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "exiting []" in out.stdout
+
+
+HELPER_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing, os, sys, time
+    from multiprocessing import resource_tracker
+    sys.path.insert(0, "tests")
+    from fakes import FakeSGLangEngine
+    from sgl_rollout.config import RolloutConfig
+    from sgl_rollout.engine import RolloutEngine
+
+
+    class SpawningScheduler(FakeSGLangEngine):
+        # SGLang spawns its scheduler: multiprocessing starts the host's resource tracker on the way
+
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            resource_tracker.ensure_running()
+            self.proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+            self.proc.start()
+
+
+    if __name__ == "__main__":
+        eng = RolloutEngine(RolloutConfig(model_path="/fake"), engine_factory=SpawningScheduler)
+        tracker = resource_tracker._resource_tracker._pid
+        assert tracker and tracker not in eng._child_pids, (tracker, eng._child_pids)
+        assert eng._engine.proc.pid in eng._child_pids
+        proc = eng._engine.proc
+        eng.shutdown()
+        assert not proc.is_alive(), "the engine's own child survived its shutdown"
+        os.kill(tracker, 0)  # raises if the shutdown killed the host's resource tracker
+        print("tracker alive", tracker)
+    """
+)
+
+
+def test_shutdown_spares_the_hosts_resource_tracker(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(HELPER_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tracker alive" in out.stdout and "died unexpectedly" not in out.stderr

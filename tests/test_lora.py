@@ -190,6 +190,8 @@ def test_payload_round_trips_through_sglangs_reader(model):
     p = lora.build_adapter_payload(sd, cfg, manifest=manifest, engine_config=engine_cfg)
     got = read_like_sglang(p.data)
     assert list(got) == list(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert set(p.build_parts) == {"check", "flatten", "serialize"}
+    assert abs(sum(p.build_parts.values()) - p.build_seconds) < 1e-6
     assert p.n_tensors == len(sd) == 2 * 2 * 7 and p.tensor_bytes == sum(t.numel() * 4 for t in sd.values())
     assert p.config["peft_type"] == "LORA" and p.config["r"] == 4 and p.config["lora_alpha"] == 8
     assert p.config["target_modules"] == sorted(TARGETS)  # a set in PEFT's to_dict, a list for SGLang

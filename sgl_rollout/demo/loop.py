@@ -142,6 +142,15 @@ class SyncCheckError(RuntimeError):
     """The engine's logprobs differ from the trainer's by more than the tolerance."""
 
 
+def _finish_gpu_work() -> None:
+    """Wait for the kernels queued so far (a no-op without CUDA): the trainer's optimizer step runs
+    asynchronously, and without this wait the sender's first stream synchronize would count it as sync time."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def stop_token_ids(tokenizer) -> List[int]:
     """Token ids that end a completion: the eos token and ``<|im_end|>`` when the vocabulary has it."""
     ids = []
@@ -378,6 +387,7 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
                 ref_logp = trainer.ref_logprobs(batch)
                 mark("score", step)
                 ts = trainer.train(batch, adv, old_logp, ref_logp)
+                _finish_gpu_work()  # the optimizer step's kernels belong to training, not to the sync after it
                 mark("train", step)
                 row.update(loss=ts.loss, pg_loss=ts.pg_loss, kl=ts.kl, clip_frac=ts.clip_frac,
                            log_ratio_abs=ts.log_ratio_abs, grad_norm=ts.grad_norm)

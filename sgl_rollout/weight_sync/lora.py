@@ -403,6 +403,9 @@ class AdapterPayload:
         tensor_bytes: bytes of tensor data (no padding).
         modules: the target module kinds present (``["q_proj", "v_proj", ...]``).
         build_seconds: time to check, flatten and serialize.
+        build_parts: those three parts in seconds: ``check`` (:func:`validate_adapter`), ``flatten`` (one
+            buffer on the tensors' device, then one copy to pinned host memory), ``serialize`` (pickling
+            the bytes by value).
     """
 
     data: bytes
@@ -411,6 +414,7 @@ class AdapterPayload:
     tensor_bytes: int
     modules: List[str] = field(default_factory=list)
     build_seconds: float = 0.0
+    build_parts: Dict[str, float] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -449,12 +453,21 @@ def build_adapter_payload(items, peft_config, manifest: Optional[WeightManifest]
     config = adapter_config_dict(peft_config, modules=sorted(kinds) if kinds else None)
     named = validate_adapter(items, config, manifest=manifest, engine_config=engine_config)
     kinds = sorted({parse_adapter_name(n)[1].split(".")[-1] for n, _ in named})
-    named = [(n, (t.detach().to(dtype) if dtype is not None else t.detach()).to("cpu")) for n, t in named]
-    flat = flatten_bucket(named, device="cpu")
-    data = serialize_by_value(flat.payload())
+    t1 = time.perf_counter()
+    named = [(n, t.detach().to(dtype) if dtype is not None else t.detach()) for n, t in named]
+    # one flat buffer where the tensors are (on the GPU: device copies), then one copy to the host; with a
+    # device-to-host copy per tensor the build took 0.58 s for a 1.1B Llama's 308 adapter tensors (H100)
+    flat = flatten_bucket(named)
+    host = flat.flattened_tensor
+    if host.device.type != "cpu":
+        pinned = torch.empty(host.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        host = pinned.copy_(host)
+    t2 = time.perf_counter()
+    data = serialize_by_value({"flattened_tensor": host, "metadata": flat.metadata})
+    t3 = time.perf_counter()
     return AdapterPayload(data=data, config=config, n_tensors=len(named),
                           tensor_bytes=sum(tensor_nbytes(t) for _, t in named), modules=kinds,
-                          build_seconds=time.perf_counter() - t0)
+                          build_seconds=t3 - t0, build_parts={"check": t1 - t0, "flatten": t2 - t1, "serialize": t3 - t2})
 
 
 # ======================================================================= driver
@@ -468,8 +481,8 @@ class AdapterSyncStats:
         base_tensors, base_bytes: base weights sent (0 when not).
         adapter_tensors, adapter_bytes: adapter tensors sent and their data bytes; payload_bytes: the
             serialized payload's size.
-        base_seconds: the base sync; build_seconds: checking and serializing the adapter;
-            load_seconds: SGLang's load (and the previous version's unload).
+        base_seconds: the base sync; build_seconds: checking and serializing the adapter (its parts
+            in ``build_parts``, see :class:`AdapterPayload`); load_seconds: SGLang's load (and the previous version's unload).
         seconds: all of it.
     """
 
@@ -483,6 +496,7 @@ class AdapterSyncStats:
     payload_bytes: int = 0
     base_seconds: float = 0.0
     build_seconds: float = 0.0
+    build_parts: Dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0
     seconds: float = 0.0
 
@@ -545,7 +559,7 @@ class AdapterSync:
         t0 = time.perf_counter()
         stats = AdapterSyncStats(name=self.name)
         payload = adapter if isinstance(adapter, AdapterPayload) else self.payload(adapter, peft_config)
-        stats.build_seconds = payload.build_seconds
+        stats.build_seconds, stats.build_parts = payload.build_seconds, dict(payload.build_parts)
         self.engine.settle()
         base = None
         if self.needs_base():
@@ -646,7 +660,7 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
     t_start = time.perf_counter()
     payload = adapter if isinstance(adapter, AdapterPayload) else sync.payload(adapter, peft_config)
     engine.settle()
-    stats = AdapterSyncStats(name=name, build_seconds=payload.build_seconds)
+    stats = AdapterSyncStats(name=name, build_seconds=payload.build_seconds, build_parts=dict(payload.build_parts))
     worker.last_phase_seconds = {}
 
     def load_adapter():

@@ -81,6 +81,8 @@ def _bit_exact(tmp_path, arch, tie, tp):
         assert other != fast
         assert slow == fast, [n for r in range(tp) for n in fast[r] if fast[r][n] != slow[r][n]]
         worker.update_weights(_params(a))  # fast path again, then generate
+        parts = {k: v for k, v in worker.last_phase_seconds.items() if k.startswith("sync.")}
+        assert set(parts) == {"sync.gather", "sync.call", "sync.check"} and sum(parts.values()) > 0, parts
         assert_greedy_equal(a, PROMPTS, _greedy(worker))
         n_pieces = sum(len(x) for x in worker._fast._layouts[0])
         print(f"\nFASTPATH | {arch} tie={tie} tp={tp} | bit-exact vs SGLang load_weights | "
