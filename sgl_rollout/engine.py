@@ -798,6 +798,19 @@ class RolloutEngine:
                 self._sync_abandoned = False
                 self.state.end_sync(False)
 
+    def _submit_sync_op(self, fn):
+        """Submit ``fn`` (a coroutine function) as the sync fence's in-flight load: an interrupted caller's
+        :meth:`end_sync` waits for its answer (:meth:`_bucket_answered`). Returns its future."""
+        with self._sync_lock:
+            self._bucket_loading = True
+        try:
+            fut = self._submit(fn, self._bucket_answered)
+        except BaseException:
+            self._bucket_answered(None)
+            raise
+        self._last_op = fut
+        return fut
+
     def _start_update(self, payloads: list, load_format: Optional[str], flush_cache: bool):
         if self.state.is_released(WEIGHTS):
             raise MemoryStateError("weights are released: resume 'weights' before loading new weights")
@@ -807,15 +820,7 @@ class RolloutEngine:
                    flush_cache=flush_cache)
         self.state.sync_sent()
         self._sync_bytes_sent = True
-        with self._sync_lock:
-            self._bucket_loading = True
-        try:
-            fut = self._submit(lambda: self._tm().update_weights_from_tensor(req, None), self._bucket_answered)
-        except BaseException:
-            self._bucket_answered(None)
-            raise
-        self._last_op = fut
-        return fut
+        return self._submit_sync_op(lambda: self._tm().update_weights_from_tensor(req, None))
 
     def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None, flush_cache: bool = False):
         """SGLang's ``update_weights_from_tensor`` for one bucket, inside :meth:`begin_sync` / :meth:`end_sync`.
@@ -935,15 +940,7 @@ class RolloutEngine:
                     self._lora_orphans.append(sglang_name)
             return out
 
-        with self._sync_lock:
-            self._bucket_loading = True
-        try:
-            fut = self._submit(swap, self._bucket_answered)
-        except BaseException:
-            self._bucket_answered(None)
-            raise
-        self._last_op = fut
-        return fut
+        return self._submit_sync_op(swap)
 
     @staticmethod
     def _lora_result(name: str, out) -> None:
@@ -1011,15 +1008,7 @@ class RolloutEngine:
                 del self._lora[name]
             return out
 
-        with self._sync_lock:
-            self._bucket_loading = True
-        try:
-            fut = self._submit(unload, self._bucket_answered)
-        except BaseException:
-            self._bucket_answered(None)
-            raise
-        self._last_op = fut
-        return fut
+        return self._submit_sync_op(unload)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unload the adapter served under ``name``, inside :meth:`begin_sync` / :meth:`end_sync`.

@@ -151,6 +151,13 @@ def manifest_of(weights):
     return WeightManifest.from_named_tensors(weights)
 
 
+def rig(weights, bucket_bytes, **model_kw):
+    """One SGLang-shaped TP rank, the engine double over it and a fast-path sender on the CPU."""
+    models = [SGLangShaped(**model_kw)]
+    engine = SGLangLikeEngine(models)
+    return models, engine, FastPathSender(engine, manifest_of(weights), bucket_bytes, devices=["cpu"])
+
+
 def reference(tp_size, weights, **kw):
     models = [SGLangShaped(r, tp_size, **{k: v for k, v in kw.items() if k != "uncovered"}) for r in range(tp_size)]
     for m in models:
@@ -222,10 +229,8 @@ def test_unknown_gather_method_is_refused():
 
 
 def test_fp32_trainer_weights_are_cast_like_load_weights():
-    models = [SGLangShaped()]
-    engine = SGLangLikeEngine(models)
     w = hf_weights(dtype=torch.float32, seed=3)
-    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    models, engine, sender = rig(w, 1 << 20)
     sender.send(w)
     assert sender.covered
     assert_same_params(models, reference(1, w))
@@ -246,19 +251,15 @@ def test_constant_fills_are_replayed_every_sync():
 
 
 def test_out_of_order_stream_is_held_until_its_bucket():
-    models = [SGLangShaped()]
-    engine = SGLangLikeEngine(models)
     w = hf_weights(seed=4)
-    sender = FastPathSender(engine, manifest_of(w), 4000, devices=["cpu"])
+    models, engine, sender = rig(w, 4000)
     sender.send(list(reversed(w)))
     assert_same_params(models, reference(1, w))
 
 
 def test_uncovered_layout_falls_back_to_load_weights_and_says_why():
-    models = [SGLangShaped(uncovered=True)]
-    engine = SGLangLikeEngine(models)
     w = hf_weights(seed=5)
-    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    models, engine, sender = rig(w, 1 << 20, uncovered=True)
     sender.send(w)
     assert sender.covered is False and "writes a parameter" in sender.reason
     ref = SGLangShaped(uncovered=True)
@@ -267,10 +268,8 @@ def test_uncovered_layout_falls_back_to_load_weights_and_says_why():
 
 
 def test_loader_failure_raises_in_the_sender_and_a_retry_succeeds():
-    models = [SGLangShaped()]
-    engine = SGLangLikeEngine(models)
     w = hf_weights(seed=6)
-    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    models, engine, sender = rig(w, 1 << 20)
     sender.send(w)
     w2 = hf_weights(seed=7)
     sender.fault = "raise"
@@ -292,10 +291,8 @@ def test_a_loader_that_never_ran_is_reported():
 
 
 def test_missing_and_bad_weights_refused_before_their_bucket():
-    models = [SGLangShaped()]
-    engine = SGLangLikeEngine(models)
     w = hf_weights(seed=8)
-    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    models, engine, sender = rig(w, 1 << 20)
     sender.send(w)
     before = copy.deepcopy(models[0].state_dict())
     calls = engine.loader_calls
@@ -310,10 +307,8 @@ def test_missing_and_bad_weights_refused_before_their_bucket():
 
 
 def test_partial_sync_goes_through_load_weights():
-    models = [SGLangShaped()]
-    engine = SGLangLikeEngine(models)
     w = hf_weights(seed=10)
-    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    models, engine, sender = rig(w, 1 << 20)
     sender.send(w)
     part = [(n, t) for n, t in hf_weights(seed=11) if "layers.1." in n]
     sender.send(part, partial=True)
@@ -321,10 +316,8 @@ def test_partial_sync_goes_through_load_weights():
 
 
 def test_release_closes_and_the_next_sync_reopens():
-    models = [SGLangShaped()]
-    engine = SGLangLikeEngine(models)
     w = hf_weights(seed=12)
-    sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
+    models, engine, sender = rig(w, 1 << 20)
     sender.send(w)
     from sgl_rollout.weight_sync import receiver
 

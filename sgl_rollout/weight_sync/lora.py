@@ -402,10 +402,9 @@ class AdapterPayload:
         n_tensors: tensors in it.
         tensor_bytes: bytes of tensor data (no padding).
         modules: the target module kinds present (``["q_proj", "v_proj", ...]``).
-        build_seconds: time to check, flatten and serialize.
-        build_parts: those three parts in seconds: ``check`` (:func:`validate_adapter`), ``flatten`` (one
-            buffer on the tensors' device, then one copy to pinned host memory), ``serialize`` (pickling
-            the bytes by value).
+        build_parts: seconds of building it, in three parts: ``check`` (:func:`validate_adapter`),
+            ``flatten`` (one buffer on the tensors' device, then one copy to pinned host memory),
+            ``serialize`` (pickling the bytes by value); :attr:`build_seconds` is their sum.
     """
 
     data: bytes
@@ -413,8 +412,12 @@ class AdapterPayload:
     n_tensors: int
     tensor_bytes: int
     modules: List[str] = field(default_factory=list)
-    build_seconds: float = 0.0
     build_parts: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def build_seconds(self) -> float:
+        """Seconds to check, flatten and serialize (the sum of :attr:`build_parts`)."""
+        return sum(self.build_parts.values())
 
     @property
     def nbytes(self) -> int:
@@ -458,16 +461,15 @@ def build_adapter_payload(items, peft_config, manifest: Optional[WeightManifest]
     # one flat buffer where the tensors are (on the GPU: device copies), then one copy to the host; with a
     # device-to-host copy per tensor the build took 0.58 s for a 1.1B Llama's 308 adapter tensors (H100)
     flat = flatten_bucket(named)
-    host = flat.flattened_tensor
-    if host.device.type != "cpu":
-        pinned = torch.empty(host.numel(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        host = pinned.copy_(host)
+    if flat.flattened_tensor.device.type != "cpu":
+        pinned = torch.empty(flat.nbytes, dtype=torch.uint8, pin_memory=True)
+        flat.flattened_tensor = pinned.copy_(flat.flattened_tensor)
     t2 = time.perf_counter()
-    data = serialize_by_value({"flattened_tensor": host, "metadata": flat.metadata})
+    data = serialize_by_value(flat.payload())
     t3 = time.perf_counter()
     return AdapterPayload(data=data, config=config, n_tensors=len(named),
                           tensor_bytes=sum(tensor_nbytes(t) for _, t in named), modules=kinds,
-                          build_seconds=t3 - t0, build_parts={"check": t1 - t0, "flatten": t2 - t1, "serialize": t3 - t2})
+                          build_parts={"check": t1 - t0, "flatten": t2 - t1, "serialize": t3 - t2})
 
 
 # ======================================================================= driver
@@ -481,8 +483,9 @@ class AdapterSyncStats:
         base_tensors, base_bytes: base weights sent (0 when not).
         adapter_tensors, adapter_bytes: adapter tensors sent and their data bytes; payload_bytes: the
             serialized payload's size.
-        base_seconds: the base sync; build_seconds: checking and serializing the adapter (its parts
-            in ``build_parts``, see :class:`AdapterPayload`); load_seconds: SGLang's load (and the previous version's unload).
+        base_seconds: the base sync; build_parts: checking, flattening and serializing the adapter
+            (see :class:`AdapterPayload`; :attr:`build_seconds` is their sum); load_seconds: SGLang's
+            load (and the previous version's unload).
         seconds: all of it.
     """
 
@@ -495,10 +498,14 @@ class AdapterSyncStats:
     adapter_bytes: int = 0
     payload_bytes: int = 0
     base_seconds: float = 0.0
-    build_seconds: float = 0.0
     build_parts: Dict[str, float] = field(default_factory=dict)
     load_seconds: float = 0.0
     seconds: float = 0.0
+
+    @property
+    def build_seconds(self) -> float:
+        """Seconds to check, flatten and serialize the adapter (the sum of :attr:`build_parts`)."""
+        return sum(self.build_parts.values())
 
 
 class AdapterSync:
@@ -559,7 +566,7 @@ class AdapterSync:
         t0 = time.perf_counter()
         stats = AdapterSyncStats(name=self.name)
         payload = adapter if isinstance(adapter, AdapterPayload) else self.payload(adapter, peft_config)
-        stats.build_seconds, stats.build_parts = payload.build_seconds, dict(payload.build_parts)
+        stats.build_parts = dict(payload.build_parts)
         self.engine.settle()
         base = None
         if self.needs_base():
@@ -660,7 +667,7 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
     t_start = time.perf_counter()
     payload = adapter if isinstance(adapter, AdapterPayload) else sync.payload(adapter, peft_config)
     engine.settle()
-    stats = AdapterSyncStats(name=name, build_seconds=payload.build_seconds, build_parts=dict(payload.build_parts))
+    stats = AdapterSyncStats(name=name, build_parts=dict(payload.build_parts))
     worker.last_phase_seconds = {}
 
     def load_adapter():
