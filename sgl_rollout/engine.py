@@ -338,7 +338,12 @@ class RolloutEngine:
         self._bucket_loading = False
         self._sync_abandoned = False
         atexit.register(self.shutdown)
-        self._start()
+        try:
+            self._start()
+        except BaseException:  # nothing to shut down: at exit, shutdown() would find no machinery
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            raise
 
     # ----------------------------------------------------------------- life cycle
     def _start(self) -> None:

@@ -98,3 +98,35 @@ def test_shutdown_spares_the_hosts_resource_tracker(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "tracker alive" in out.stdout and "died unexpectedly" not in out.stderr
+
+
+FAILED_START = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    from sgl_rollout.config import RolloutConfig
+    from sgl_rollout.engine import RolloutEngine
+
+
+    def no_memory(**kw):
+        raise RuntimeError("Not enough memory. Please try to increase --mem-fraction-static.")
+
+
+    if __name__ == "__main__":
+        try:
+            RolloutEngine(RolloutConfig(model_path="/fake"), engine_factory=no_memory)
+        except RuntimeError as exc:
+            print("start failed:", exc)
+    """
+)
+
+
+def test_an_engine_that_failed_to_start_does_not_fail_the_exit(tmp_path):
+    """Seen on an H100: SGLang's start ran out of memory, and at exit the registered shutdown of the
+    half-built engine raised AttributeError over the real error."""
+    script = tmp_path / "failed_start.py"
+    script.write_text(FAILED_START)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=".")
+    assert done.returncode == 0, done.stderr
+    assert "start failed: Not enough memory" in done.stdout
+    assert "Traceback" not in done.stderr and "AttributeError" not in done.stderr, done.stderr

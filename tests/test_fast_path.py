@@ -12,6 +12,7 @@ the real SGLang models on a GPU in ``tests/gpu/test_fast_path_gpu.py``.
 
 import copy
 import itertools
+import time
 
 import pytest
 import torch
@@ -410,3 +411,20 @@ def test_an_engine_without_the_registered_loader_is_never_called():
     engine.config = RolloutConfig(model_path="/m", fast_sync=True)
     sender.send(w)
     assert sender.covered and engine.loader_calls > 0
+
+
+def test_call_time_is_split_by_the_loaders_clock():
+    """The loader stamps its entry and answer; the sender splits the call into request, loader, reply."""
+    weights = hf_weights(seed=1)
+    models, engine, sender = rig(weights, 1 << 20)
+    inner = engine.update_weights_from_tensor
+
+    def slow_way_in(payloads, **kw):
+        time.sleep(0.05)  # as a busy tokenizer manager would delay the request
+        return inner(payloads, **kw)
+
+    engine.update_weights_from_tensor = slow_way_in
+    sender.send(iter(weights))
+    t = sender.timings
+    assert t["call.request"] >= 0.05 and 0 <= t["call.loader"] < t["call.request"] and t["call.reply"] >= 0
+    assert abs(t["call.request"] + t["call.loader"] + t["call.reply"] - t["call"]) < 0.01, t

@@ -179,6 +179,16 @@ def consume(stream, bucket_bytes: int, layered: bool, device: str, meter) -> Dic
     return {"n_buckets": n_buckets, "bytes": nbytes, "max_flat_bytes": max_flat}
 
 
+def timeline_peaks(records) -> Dict:
+    """From the worker's timeline records of one ``update_weights`` (:class:`sgl_rollout.memory.MemoryRecord`):
+    ``phase_peak_allocated_bytes``, this process's torch peak over those phases (each record resets the
+    peak, so ``torch.cuda.max_memory_allocated`` alone sees only the time since the last one), and
+    ``device_used_max_bytes``, the most device memory in use (all processes: engine and trainer) at a
+    phase's end."""
+    return {"phase_peak_allocated_bytes": max((r.peak_allocated_bytes for r in records), default=0),
+            "device_used_max_bytes": max((r.used_bytes for r in records), default=None)}
+
+
 def worker_takes_group_of() -> bool:
     """Whether this package's sender closes buckets at layers for ``RolloutConfig.layered_summon``."""
     import inspect
@@ -226,7 +236,9 @@ def one_sync(method: str, model, args, layout: str, worker=None) -> Dict:
         rec.update(consume(iter(timed), args.bucket_bytes, layered, args.device, meter))
     else:
         worker.config.layered_summon = layered
+        n_records = len(worker.timeline.records)
         stats = worker.update_weights(iter(timed))
+        rec.update(timeline_peaks(worker.timeline.records[n_records:]))
         phases = worker.last_phase_seconds
         rec.update(n_buckets=stats.n_buckets, bytes=stats.bytes, max_flat_bytes=stats.max_bucket_bytes,
                    sender_s=stats.seconds, resume_weights_s=phases.get("resume_weights", 0.0),
@@ -237,7 +249,9 @@ def one_sync(method: str, model, args, layout: str, worker=None) -> Dict:
     # the sync: the whole consumption without an engine; with one, the sender's time plus the first
     # weight's gather, which update_weights does before it resumes the weights and starts the sender
     rec["sync_s"] = rec["seconds"] if worker is None else rec["sender_s"] + timed.first_s
-    rec["peak_bytes"] = (torch.cuda.max_memory_allocated() - base) if cuda else None
+    # the worker's timeline resets torch's peak at each phase it records: the max over those phases
+    peak = max(torch.cuda.max_memory_allocated(), rec.pop("phase_peak_allocated_bytes", 0)) if cuda else None
+    rec["peak_bytes"] = (peak - base) if cuda else None
     rec["counted_peak_bytes"] = meter.peak
     if dist is not None:  # slowest rank's time, largest rank's peak
         vals = torch.tensor([rec["seconds"], rec["sync_s"], float(rec["peak_bytes"] or 0), float(meter.peak)],
@@ -290,7 +304,8 @@ def run_layout(layout: str, args, rank: int = 0, world: int = 1) -> Dict:
 
 def summarize(recs: List[Dict]) -> Dict:
     out = {"runs": recs}
-    for key in ("seconds", "sync_s", "peak_bytes", "counted_peak_bytes", "sender_s", "resume_weights_s", "switch_s"):
+    for key in ("seconds", "sync_s", "peak_bytes", "counted_peak_bytes", "sender_s", "resume_weights_s", "switch_s",
+                "device_used_max_bytes"):
         vals = [r[key] for r in recs if r.get(key) is not None]
         if vals:
             out[key] = statistics.median(vals)

@@ -9,7 +9,9 @@ for this rank, each tensor passed through ``.to(current device)``. SGLang ignore
 An exception here would kill the scheduler and, through its SIGQUIT, the trainer, so
 :func:`load_weights` catches everything and answers in a *status block*: a small CUDA buffer the
 sender owns and shares in every payload (:mod:`.plan` documents its layout). The sender reads it
-after every call and raises on failure.
+after every call and raises on failure. A successful answer's body carries ``t``: this process's
+``time.monotonic()`` when the loader was entered and when it answered (seconds), so the sender can
+split a call's time into the request's way in, the loader, and the way back.
 
 Requests (the payload's first item is ``(header JSON, bucket buffer)``, the second
 ``(STATUS_NAME, status block)``):
@@ -41,6 +43,7 @@ import bisect
 import hashlib
 import logging
 import math
+import time
 import traceback
 from typing import Dict, List, Optional, Tuple
 
@@ -68,6 +71,7 @@ def load_weights(model, named_tensors) -> None:
         model: SGLang's model (``ModelRunner.model``) of this TP rank.
         named_tensors: list of ``(name, tensor)``: the request header and buffer, then the status block.
     """
+    t_in = time.monotonic()  # CLOCK_MONOTONIC, system-wide: the sender compares it with its own clock
     status: Optional[torch.Tensor] = None
     seq = -1
     try:
@@ -92,7 +96,7 @@ def load_weights(model, named_tensors) -> None:
             raise ValueError(f"unknown op {op!r}")
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()  # the sender may reuse the buffer now
-        _answer(status, seq, OK, body)
+        _answer(status, seq, OK, dict(body, t=[t_in, time.monotonic()]))
         if op == "release":
             _SHARED.pop(header["key"], None)
             _SHARED.pop(header["key"] + "/status", None)

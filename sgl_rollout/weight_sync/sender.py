@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -135,6 +135,20 @@ def make_payload(bucket: List[NamedTensor], device: Optional[Union[int, str, tor
     """
     flat = flatten_bucket(bucket, device=device)
     return serialize(flat.payload()), flat
+
+
+#: Bytes of a status block read in one device-to-host copy: the header and a short body.
+_STATUS_READ = 512
+
+
+def _read_status(st: torch.Tensor) -> Tuple[int, int, bytes]:
+    """(seq, code, body JSON bytes) of a status block (:func:`.plan.encode_status`); one
+    device-to-host copy when the body is short."""
+    head = bytes(st[:_STATUS_READ].cpu().numpy())
+    got, code, n, _v = decode_header(head)
+    n = min(max(n, 0), st.numel() - 32)
+    raw = head[32 : 32 + n] if 32 + n <= len(head) else bytes(st[32 : 32 + n].cpu().numpy())
+    return got, code, raw
 
 
 def _raise_on_failure(result) -> None:
@@ -273,7 +287,10 @@ class FastPathSender:
         self.fault: Optional[str] = None  # tests: "raise" makes the next call's loader raise inside SGLang
         #: seconds of the last :meth:`send`: ``gather`` (sender's copies into the buffers, until the
         #: stream is synchronized), ``call`` (SGLang's round trip, the receiver's scatter included),
-        #: ``check`` (reading the status blocks)
+        #: ``check`` (reading the status blocks); ``call`` split by rank 0's loader into
+        #: ``call.request`` (sender's call to the loader's entry: SGLang's tokenizer manager, ZMQ, the
+        #: scheduler's dequeue and unpickling), ``call.loader`` (the loader's own work and its
+        #: synchronize) and ``call.reply`` (its answer back to the sender)
         self.timings: Dict[str, float] = {}
 
     @property
@@ -316,7 +333,7 @@ class FastPathSender:
                                 "(RolloutConfig(fast_sync=True)); nothing was sent")
         self._registered = True
 
-    def _call(self, headers: List[dict], buffers: List[Optional[torch.Tensor]], read_body: bool = False) -> List[dict]:
+    def _call(self, headers: List[dict], buffers: List[Optional[torch.Tensor]]) -> List[dict]:
         """One ``update_weights_from_tensor`` with a request per rank; returns each rank's answer body.
 
         Raises:
@@ -338,19 +355,24 @@ class FastPathSender:
             torch.cuda.current_stream(d).synchronize()  # a cached handle skips torch's IPC event wait
         t1 = time.perf_counter()
         self._tick("gather", self._t_mark)
+        m1 = time.monotonic()
         _raise_on_failure(self.engine.update_weights_from_tensor(payloads, load_format=self.load_format,
                                                                  flush_cache=False))
+        m2 = time.monotonic()
         t2 = self._tick("call", t1)
         bodies = []
         for r in range(self.tp_size):
-            st = self._status[r]
-            got, code, n, _v = decode_header(bytes(st[:32].cpu().numpy()))
+            got, code, raw = _read_status(self._status[r])
             if got != seq:
                 raise FastPathError(f"TP rank {r}: the fast-path loader did not answer (is {self.load_format} in the "
                                     "engine's custom_weight_loader?)")
-            body = json.loads(bytes(st[32 : 32 + n].cpu().numpy())) if (read_body or code != OK) else {}
+            body = json.loads(raw) if raw else {}
             if code != OK:
                 raise FastPathError(f"TP rank {r}: the fast-path loader failed inside SGLang: {body.get('error')}")
+            t_in, t_out = body.pop("t", (m1, m1))
+            if r == 0:  # rank 0's split of the round trip (the clocks are the same CLOCK_MONOTONIC)
+                for part, secs in (("call.request", t_in - m1), ("call.loader", t_out - t_in), ("call.reply", m2 - t_out)):
+                    self.timings[part] = self.timings.get(part, 0.0) + secs
             bodies.append(body)
         self._t_mark = self._tick("check", t2)
         return bodies
@@ -372,7 +394,7 @@ class FastPathSender:
         entries = manifest_entries(self.manifest)
         headers = [dict(op="plan", manifest=entries, bucket_bytes=self.bucket_bytes,
                         plan_id=plan_id(entries, self.bucket_bytes, r, self.tp_size)) for r in range(self.tp_size)]
-        bodies = self._call(headers, [None] * self.tp_size, read_body=True)
+        bodies = self._call(headers, [None] * self.tp_size)
         if not all(b.get("covered") for b in bodies):
             self.covered = False
             self.reason = "; ".join(b.get("reason", "") for b in bodies if not b.get("covered"))
@@ -519,7 +541,7 @@ class FastPathSender:
         Call inside a sync fence (``engine.weight_sync()``); it copies every parameter to the CPU
         inside the scheduler, so it is slow for big models.
         """
-        bodies = self._call([dict(op="digest") for _ in range(self.tp_size)], [None] * self.tp_size, read_body=True)
+        bodies = self._call([dict(op="digest") for _ in range(self.tp_size)], [None] * self.tp_size)
         return [b["digest"] for b in bodies]
 
     # ------------------------------------------------------------- release
