@@ -428,3 +428,4 @@ def test_call_time_is_split_by_the_loaders_clock():
     t = sender.timings
     assert t["call.request"] >= 0.05 and 0 <= t["call.loader"] < t["call.request"] and t["call.reply"] >= 0
     assert abs(t["call.request"] + t["call.loader"] + t["call.reply"] - t["call"]) < 0.01, t
+    assert 0 < t["gather.serialize"] and 0 <= t["gather.wait"] and t["gather.serialize"] + t["gather.wait"] <= t["gather"]

@@ -287,7 +287,9 @@ class FastPathSender:
         self.fault: Optional[str] = None  # tests: "raise" makes the next call's loader raise inside SGLang
         #: seconds of the last :meth:`send`: ``gather`` (sender's copies into the buffers, until the
         #: stream is synchronized), ``call`` (SGLang's round trip, the receiver's scatter included),
-        #: ``check`` (reading the status blocks); ``call`` split by rank 0's loader into
+        #: ``check`` (reading the status blocks); within ``gather``, ``gather.serialize`` (pickling the
+        #: payloads: sharing the CUDA buffers) and ``gather.wait`` (the stream synchronize: the copies
+        #: still running on the GPU); ``call`` split by rank 0's loader into
         #: ``call.request`` (sender's call to the loader's entry: SGLang's tokenizer manager, ZMQ, the
         #: scheduler's dequeue and unpickling), ``call.loader`` (the loader's own work and its
         #: synchronize) and ``call.reply`` (its answer back to the sender)
@@ -344,6 +346,7 @@ class FastPathSender:
         self._check_registered()
         self._seq += 1
         seq = self._seq
+        t_ser = time.perf_counter()
         payloads = []
         for r, (h, buf) in enumerate(zip(headers, buffers)):
             h = dict(h, seq=seq, key=f"{self.key}/{r}")
@@ -351,8 +354,10 @@ class FastPathSender:
                 h["fault"], self.fault = self.fault, None
             st = self._status_block(r)
             payloads.append(serialize([(header_name(h), st if buf is None else buf), (STATUS_NAME, st)]))
+        t_wait = self._tick("gather.serialize", t_ser)
         for d in {d for d in self.devices if d.type == "cuda"}:
             torch.cuda.current_stream(d).synchronize()  # a cached handle skips torch's IPC event wait
+        self._tick("gather.wait", t_wait)
         t1 = time.perf_counter()
         self._tick("gather", self._t_mark)
         m1 = time.monotonic()
