@@ -177,16 +177,6 @@ def test_token_logprobs_gradient_matches_reference():
         grpo.token_logprobs(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), 0.0)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_rollout.bench import LLAMA_TINY, make_llama_dir
-
-    path = tmp_path_factory.mktemp("tiny")
-    make_llama_dir(str(path), LLAMA_TINY, dtype=torch.bfloat16, with_weights=True, init_std=0.15)
-    save_byte_level_tokenizer(path, LLAMA_TINY["vocab_size"])
-    return str(path)
-
-
 def test_completion_logprobs_match_full_forward(tiny_dir):
     from transformers import AutoModelForCausalLM
 

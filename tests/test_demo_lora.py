@@ -19,21 +19,10 @@ import torch
 
 from fakes import FakeSGLangEngine, FakeTokenizerManager, hf_sample
 from sgl_rollout.demo import task
-from sgl_rollout.demo.model import save_byte_level_tokenizer
 from sgl_rollout.weight_sync import lora
 from sgl_rollout.weight_sync.manifest import SyncValidator, WeightManifest
 
 peft = pytest.importorskip("peft")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from sgl_rollout.bench import LLAMA_TINY, make_llama_dir
-
-    path = tmp_path_factory.mktemp("tiny_lora_demo")
-    make_llama_dir(str(path), LLAMA_TINY, dtype=torch.bfloat16, with_weights=True, init_std=0.15)
-    save_byte_level_tokenizer(path, LLAMA_TINY["vocab_size"])
-    return str(path)
 
 
 def disk_weights(model_dir):
