@@ -148,20 +148,27 @@ def _host_helper_pids() -> set:
     return {p for p in pids if p}
 
 
-def _child_pids() -> set:
-    """Pids of this process's children, ``multiprocessing``'s host-wide helpers excepted."""
+def _child_processes() -> list:
+    """This process's children (``psutil.Process``), ``multiprocessing``'s host-wide helpers excepted.
+
+    The handles, not bare pids, are what the engine keeps: a ``psutil.Process`` remembers its start
+    time, so signalling it or asking whether it runs never reaches another process that was given
+    the same pid after it exited (pids wrap at ``/proc/sys/kernel/pid_max``, often 32768)."""
     import psutil
 
-    return {p.pid for p in psutil.Process().children(recursive=False)} - _host_helper_pids()
+    helpers = _host_helper_pids()
+    return [p for p in psutil.Process().children(recursive=False) if p.pid not in helpers]
 
 
-def _kill_trees(pids: Sequence[int], timeout_s: float = 10.0) -> None:
+def _kill_trees(roots: Sequence, timeout_s: float = 10.0) -> None:
+    """End each ``psutil.Process`` of ``roots`` that still runs, with its descendants (:func:`_kill_procs`)."""
     import psutil
 
     procs = []
-    for pid in pids:
+    for root in roots:
         try:
-            root = psutil.Process(pid)
+            if not root.is_running():  # exited, or its pid now belongs to another process
+                continue
             procs.extend(root.children(recursive=True))
             procs.append(root)
         except psutil.NoSuchProcess:
@@ -264,16 +271,17 @@ def install_sigquit_handler() -> bool:
     return True
 
 
-def _dead_pids(pids: Sequence[int]) -> List[int]:
+def _dead_pids(procs: Sequence) -> List[int]:
+    """Pids of the ``psutil.Process`` handles in ``procs`` that exited (zombies included)."""
     import psutil
 
     dead = []
-    for pid in pids:
+    for p in procs:
         try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                dead.append(pid)
+            if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
+                dead.append(p.pid)
         except psutil.NoSuchProcess:
-            dead.append(pid)
+            dead.append(p.pid)
     return dead
 
 
@@ -363,8 +371,8 @@ class RolloutEngine:
         self._weights_released_since_sync = False
         self._sync_bytes_sent = False
         self._sigquit_at = None
-        self._child_pids: List[int] = []
-        before = _child_pids()
+        self._children: list = []  # psutil.Process of the engine's own child processes
+        before = set(_child_processes())  # psutil.Process compares by pid and start time
         server_args = self.config.to_server_args()
         if threading.current_thread() is threading.main_thread():
             # SGLang installs this in place of its own launch-phase handler, which kills the host.
@@ -373,12 +381,12 @@ class RolloutEngine:
             with patched_environ(engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check)):
                 self._engine = factory(**server_args)
         except BaseException as exc:
-            _kill_trees(sorted(_child_pids() - before))
+            _kill_trees([p for p in _child_processes() if p not in before])
             if self._generation > 1:  # a failed restart: calls keep raising EngineDeadError
                 self._dead = f"restart failed: {exc!r}"
             raise
         self._dead = None
-        self._child_pids = sorted(_child_pids() - before)
+        self._children = sorted((p for p in _child_processes() if p not in before), key=lambda p: p.pid)
         self._descendants: dict = {}
         self._track_descendants()
         # SGLang registers Engine.shutdown with atexit; it would kill every child of the host.
@@ -397,14 +405,21 @@ class RolloutEngine:
         _LIVE_ENGINES.add(self)
         logger.info("SGLang engine up: tp=%d, child processes %s", self.config.tensor_model_parallel_size, self._child_pids)
 
+    @property
+    def _child_pids(self) -> List[int]:
+        """Pids of the engine's own child processes (its scheduler(s), detokenizer), sorted."""
+        return [p.pid for p in self._children]
+
     def _track_descendants(self) -> None:
         """Remember the engine processes' own children (compile workers, ...): once a scheduler is
         killed they are re-parented away from it, and only this record lets shutdown end them."""
         import psutil
 
-        for pid in self._child_pids:
+        for child in self._children:
             with contextlib.suppress(psutil.Error):
-                for p in psutil.Process(pid).children(recursive=True):
+                if not child.is_running():
+                    continue
+                for p in child.children(recursive=True):
                     self._descendants.setdefault(p.pid, p)  # psutil.Process: safe against pid reuse
 
     def _watch(self) -> None:
@@ -413,7 +428,7 @@ class RolloutEngine:
             if ticks % 10 == 0:
                 self._track_descendants()
             ticks += 1
-            dead = _dead_pids(self._child_pids)
+            dead = _dead_pids(self._children)
             if dead:
                 self._mark_dead(f"engine process(es) {dead} exited", generation)
                 return
@@ -460,7 +475,7 @@ class RolloutEngine:
             self._loop.call_soon(self._loop.stop)
 
         self._loop.call_soon_threadsafe(stop_loop)
-        _kill_trees(self._child_pids)
+        _kill_trees(self._children)
         _kill_procs([p for p in self._descendants.values() if p.is_running()])
 
     def check_alive(self) -> None:

@@ -86,3 +86,26 @@ def test_shutdown_ends_only_the_engines_processes(monkeypatch):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_child_whose_pid_was_reused_is_neither_killed_nor_taken_for_alive():
+    """The engine keeps psutil handles of its children, not pids: once a child has exited and its pid
+    belongs to another process (pids wrap at pid_max, 32768 here), shutdown must not kill that
+    process, and the watchdog must see the child as dead."""
+    import psutil
+
+    from sgl_rollout.engine import _dead_pids, _kill_trees
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        stale = psutil.Process(other.pid)
+        # the handle the engine took of its own child, which had this pid earlier and exited since
+        stale._ident = (other.pid, stale.create_time() - 100.0)
+        assert not stale.is_running()
+        _kill_trees([stale], timeout_s=2)
+        assert other.poll() is None  # the process that now has the pid still runs
+        assert _dead_pids([stale]) == [other.pid]
+        assert _dead_pids([psutil.Process(other.pid)]) == []
+    finally:
+        other.kill()
+        other.wait()
