@@ -1,5 +1,6 @@
 """Benchmarks. ``python -m sgl_rollout.bench sync`` times the weight sync into a real SGLang engine;
-``python -m sgl_rollout.bench lora`` times a LoRA adapter sync against a full sync (:func:`bench_lora`).
+``python -m sgl_rollout.bench lora`` times a LoRA adapter sync against a full sync (:func:`bench_lora`);
+``python -m sgl_rollout.bench gather`` times the sender's copy primitives alone (:func:`bench_gather`).
 
 Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 2048, 22 layers,
 32000 vocab, bf16, ``load_format="dummy"``), each the median of ``--repeats`` runs:
@@ -13,8 +14,11 @@ Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 20
   (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`: copy plan, persistent IPC buffer, the
   sender's gather into it, one scatter kernel on the receiving side), with the sender's gather /
   SGLang round trip / status check split of the last run; 3072 MiB holds the whole model (one call);
-* ``fast_<default>m_copy``, ``_foreach``, ``_cat``: the default bucket with each gather method
-  (the rows above use ``"auto"``);
+* ``fast_<default>m_copy``, ``_foreach``, ``_cat``: the default bucket with each gather
+  method (the rows above use ``"auto"``);
+* ``fast_<default>m_fresh``: as ``fast_<default>m``, but its buffer is released (and ``empty_cache``
+  run) before each sync, untimed, as the worker does at sleep level 2: each sync allocates a buffer,
+  shares it and the engine opens its handle anew;
 * ``round_trip_fast_path``: one fast-path call that copies nothing (SGLang's request round trip);
 * ``flatten_only_2g``: building 2 GiB flattened buckets, no engine call;
 * ``split_with_sizes_copy``: scattering the same bytes from one buffer into 201 tensors in one kernel;
@@ -33,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -148,9 +152,12 @@ def gpu_engine_flags() -> Dict:
                 skip_tokenizer_init=True, log_level="error")
 
 
-def _timed(fn: Callable[[], None], repeats: int) -> List[float]:
+def _timed(fn: Callable[[], None], repeats: int, before: Optional[Callable[[], None]] = None) -> List[float]:
+    """Seconds of each of ``repeats`` runs of ``fn`` (GPU work included); ``before`` runs untimed before each."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
@@ -217,6 +224,13 @@ def bench_sync(args) -> Dict:
         senders = {f"fast_{mb}m": FastPathSender(engine, manifest, mb << 20) for mb in (512, default_mb, ONE_BUCKET_MB)}
         for method in ("copy", "foreach", "cat"):
             senders[f"fast_{default_mb}m_{method}"] = FastPathSender(engine, manifest, default_mb << 20, gather=method)
+        fresh = f"fast_{default_mb}m_fresh"
+        senders[fresh] = FastPathSender(engine, manifest, default_mb << 20)
+
+        def release_fresh():  # as after a level-2 release: the next sync allocates, shares and opens anew
+            with engine.weight_sync():
+                senders[fresh].release()
+            torch.cuda.empty_cache()
 
         def fast(key):
             def run():
@@ -240,8 +254,9 @@ def bench_sync(args) -> Dict:
         }
         results = {}
         for name, fn in methods.items():
+            before = release_fresh if name == fresh else None
             fn()  # warm-up
-            times = _timed(fn, args.repeats)
+            times = _timed(fn, args.repeats, before)
             med = statistics.median(times)
             results[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "times_s": times}
             if name in senders:
@@ -281,6 +296,69 @@ def bench_sync(args) -> Dict:
         "results": results,
         "sender_peak_extra_bytes": peak,
     }
+
+
+def bench_gather(args) -> Dict:
+    """The copy primitives a fast-path sender's gather can use, without an engine: the trainer's tensors
+    of each model shape (the demo's SmolLM2-135M, the 1.1B Llama; bf16, and fp32 cast into the bf16
+    buffer) written into one flat buffer in order. Per primitive, the median over ``args.repeats`` of the
+    CPU time of the call and of the time until the GPU finished it (seconds); every result is checked
+    against ``torch.cat``. ``make_views`` is the cost of a new buffer's per-piece views in Python, and
+    ``unflatten_views`` the same in one C++ call (what a sender pays once per buffer)."""
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "repeats": args.repeats, "models": {}}
+    for label, shape in (("smollm2-135m", SMOLLM2_135M), ("llama-1.1b", LLAMA_1B)):
+        srcs = [t for _, t in llama_named_tensors(shape)]
+        srcs32 = [t.float() for t in srcs]
+        buf = torch.empty(sum(t.numel() for t in srcs), dtype=torch.bfloat16, device="cuda")
+        ref = torch.cat([t.view(-1) for t in srcs])
+
+        def py_views():
+            views, at = [], 0
+            for t in srcs:
+                views.append(buf[at:at + t.numel()].view(t.shape))
+                at += t.numel()
+            return views
+
+        views = py_views()
+        prims = {
+            "foreach_copy (views made once)": lambda: torch._foreach_copy_(views, srcs),
+            "torch.cat": lambda: torch.cat([t.view(-1) for t in srcs], out=buf),
+            "copy_ per tensor": lambda: [d.copy_(t) for d, t in zip(views, srcs)],
+            "torch._chunk_cat": lambda: torch._chunk_cat(srcs, 0, 1, out=buf.view(1, -1)),
+            "fp32: foreach_copy (cast)": lambda: torch._foreach_copy_(views, srcs32),
+            "fp32: copy_ per tensor (cast)": lambda: [d.copy_(t) for d, t in zip(views, srcs32)],
+            "make_views (Python, new buffer)": py_views,
+            "unflatten_views (C++, new buffer)": lambda: torch._C._nn.unflatten_dense_tensors(buf, srcs),
+        }
+        rows = {}
+        for name, fn in prims.items():
+            cpu, total = [], []
+            for i in range(args.repeats + 2):
+                buf.zero_()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                if i >= 2:  # two warm-ups
+                    cpu.append(t1 - t0)
+                    total.append(time.perf_counter() - t0)
+            exact = "views" in name or torch.equal(buf, ref)
+            if not exact:
+                raise AssertionError(f"bench gather: {name} wrote wrong bytes")
+            rows[name] = {"cpu_s": statistics.median(cpu), "total_s": statistics.median(total)}
+        out["models"][label] = {"bytes": buf.numel() * 2, "tensors": len(srcs), "results": rows}
+        del srcs, srcs32, buf, ref, views
+        torch.cuda.empty_cache()
+    return out
+
+
+def print_gather_table(res: Dict) -> None:
+    print(f"gather primitives on {res['device']} (median of {res['repeats']}; ms)")
+    for label, m in res["models"].items():
+        print(f"{label}: {m['tensors']} tensors, {m['bytes'] / 1e9:.2f} GB")
+        for name, r in m["results"].items():
+            print(f"  {name:36s} cpu {r['cpu_s'] * 1e3:8.3f}   until done {r['total_s'] * 1e3:8.3f}")
 
 
 def bench_lora(args) -> Dict:
@@ -395,6 +473,9 @@ def main(argv=None) -> int:
     lo.add_argument("--mem-fraction", type=float, default=0.4)
     lo.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
     lo.add_argument("--out", default="bench_lora.json")
+    g = sub.add_parser("gather", help="time the sender's gather primitives (no engine)")
+    g.add_argument("--repeats", type=int, default=10)
+    g.add_argument("--out", default="bench_gather.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print(f"bench {args.cmd} needs a CUDA GPU", file=sys.stderr)
@@ -402,6 +483,9 @@ def main(argv=None) -> int:
     if args.cmd == "lora":
         res = bench_lora(args)
         print_lora_table(res)
+    elif args.cmd == "gather":
+        res = bench_gather(args)
+        print_gather_table(res)
     else:
         res = bench_sync(args)
         print_table(res)
