@@ -372,7 +372,11 @@ class RolloutEngine:
         self._sync_bytes_sent = False
         self._sigquit_at = None
         self._children: list = []  # psutil.Process of the engine's own child processes
-        before = set(_child_processes())  # psutil.Process compares by pid and start time
+        before = set(_child_processes())
+
+        def started_here() -> list:  # the factory's children (psutil.Process compares by pid and start time)
+            return sorted((p for p in _child_processes() if p not in before), key=lambda p: p.pid)
+
         server_args = self.config.to_server_args()
         if threading.current_thread() is threading.main_thread():
             # SGLang installs this in place of its own launch-phase handler, which kills the host.
@@ -381,12 +385,12 @@ class RolloutEngine:
             with patched_environ(engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check)):
                 self._engine = factory(**server_args)
         except BaseException as exc:
-            _kill_trees([p for p in _child_processes() if p not in before])
+            _kill_trees(started_here())
             if self._generation > 1:  # a failed restart: calls keep raising EngineDeadError
                 self._dead = f"restart failed: {exc!r}"
             raise
         self._dead = None
-        self._children = sorted((p for p in _child_processes() if p not in before), key=lambda p: p.pid)
+        self._children = started_here()
         self._descendants: dict = {}
         self._track_descendants()
         # SGLang registers Engine.shutdown with atexit; it would kill every child of the host.

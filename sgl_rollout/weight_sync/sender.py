@@ -676,11 +676,12 @@ def _gather(bucket: _BucketOps, held: Dict[str, torch.Tensor], buf: torch.Tensor
     dtype and on its device; else as ``"foreach"``. ``"auto"``: ``"copy"`` for pieces of
     :data:`AUTO_COPY_MIN_BYTES` or more on average, else ``"foreach"``.
 
-    Why (``python -m sgl_rollout.bench gather``, H100): for the demo's 272 tensors (269 MB)
-    ``_foreach_copy_`` into views made once took 0.10 ms of CPU and 0.28 ms in all, ``torch.cat``
-    0.40 / 1.05 ms and a ``copy_`` per piece 1.62 ms of CPU; for the 1.1B model's 201 tensors (2.2 GB)
-    all are bound by the GPU's copy (1.8-2.0 ms). ``torch._chunk_cat`` (FSDP2's packing op) was tried
-    and dropped: 9.7 ms of CPU for the 2.2 GB bucket (it builds per-block metadata on the host).
+    Why (``python -m sgl_rollout.bench gather``, H100, ``examples/bench/gather_h100_s5_hostB.json``):
+    for the demo's 272 tensors (269 MB) ``_foreach_copy_`` into views made once took 0.13 ms of CPU
+    and 0.30 ms in all, ``torch.cat`` 0.51 / 1.13 ms and a ``copy_`` per piece 2.01 ms of CPU; for the
+    1.1B model's 201 tensors (2.2 GB) all are bound by the GPU's copy (1.9-2.1 ms). ``torch._chunk_cat``
+    (FSDP2's packing op) was tried and dropped: 5.1 ms of CPU for the 2.2 GB bucket (it builds
+    per-block metadata on the host).
     """
     ops = bucket.ops
     srcs = [op.src(held) for op in ops]
