@@ -297,3 +297,76 @@ class RolloutConfig(BaseModel):
                 loaders.append(FAST_SYNC_LOADER)
             kwargs["custom_weight_loader"] = loaders
         return kwargs
+
+
+# ------------------------------------------------------------------------------------ TP layout
+class TPLayoutError(ValueError):
+    """A tensor-parallel size SGLang cannot run with this model or these GPUs; refused before any engine
+    starts. The message is one line naming the numbers."""
+
+
+def model_heads(hf_config) -> Optional[tuple]:
+    """``(attention heads, KV heads)`` of a Hugging Face config (its ``text_config`` for multimodal
+    models; KV heads default to the attention heads, as in multi-head attention); None when the
+    config has no ``num_attention_heads``."""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
+    heads = get("num_attention_heads", None)
+    if not heads:
+        return None
+    kv = get("num_key_value_heads", None) or heads
+    return int(heads), int(kv)
+
+
+def tp_layout_problem(tp_size: int, heads: Optional[tuple] = None, gpus: Optional[int] = None,
+                      key: str = "tensor_model_parallel_size") -> Optional[str]:
+    """Why SGLang cannot shard a model over ``tp_size`` GPUs, in one line; None when it can.
+
+    SGLang 0.5.10's rule (``sglang/srt/models/llama.py``: ``total_num_heads % tp_size == 0``;
+    ``sglang/srt/layers/linear.py`` ``QKVParallelLinear``: KV heads split evenly when there are at least
+    ``tp_size`` of them, else replicated, which needs ``tp_size % kv_heads == 0``). Broken, the scheduler
+    dies on an assertion after the engine's start-up, which verl reports as a lost server actor.
+
+    Args:
+        tp_size: the engine's TP size (SGLang's ``tp_size``).
+        heads: ``(attention heads, KV heads)`` (:func:`model_heads`), or None to skip that check.
+        gpus: GPUs available to the replica, or None to skip that check.
+        key: the setting named in the message (e.g. verl's ``actor_rollout_ref.rollout.tensor_model_parallel_size``).
+    """
+    if tp_size < 1:
+        return f"{key}={tp_size}: must be at least 1"
+    if gpus is not None and tp_size > gpus:
+        return f"{key}={tp_size} exceeds the {gpus} GPU(s) available"
+    if heads is None:
+        return None
+    n_heads, n_kv = heads
+    divisors = [d for d in range(1, n_heads + 1) if n_heads % d == 0 and (n_kv % d == 0 if n_kv >= d else d % n_kv == 0)]
+    if n_heads % tp_size:
+        return (f"{key}={tp_size} does not divide the model's {n_heads} attention heads "
+                f"(SGLang shards heads evenly over TP ranks); TP sizes that fit: {divisors}")
+    if (n_kv % tp_size) if n_kv >= tp_size else (tp_size % n_kv):
+        return (f"{key}={tp_size} does not fit the model's {n_kv} KV heads (SGLang splits them evenly, or "
+                f"replicates them when TP is a multiple of their number); TP sizes that fit: {divisors}")
+    return None
+
+
+def check_tp_layout(tp_size: int, heads: Optional[tuple] = None, gpus: Optional[int] = None,
+                    key: str = "tensor_model_parallel_size") -> None:
+    """Raise :class:`TPLayoutError` with :func:`tp_layout_problem`'s line, if any."""
+    problem = tp_layout_problem(tp_size, heads, gpus, key)
+    if problem is not None:
+        raise TPLayoutError(problem)
+
+
+def heads_of_model_path(model_path: str) -> Optional[tuple]:
+    """:func:`model_heads` of ``model_path/config.json`` (read as JSON, no download); None when there is
+    no readable config there (a hub id, a test double)."""
+    import json
+    import os
+
+    path = os.path.join(str(model_path), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return model_heads(json.load(f))
+    except (OSError, ValueError):
+        return None

@@ -223,6 +223,26 @@ def engine_tags(config: RolloutConfig) -> tuple:
     return tuple(t for t in ALL_TAGS if t != CUDA_GRAPH or not config.enforce_eager)
 
 
+def _check_tp_for_sglang(config: RolloutConfig) -> None:
+    """Refuse, before SGLang spawns anything, a TP size the model's heads do not split over or that needs
+    more GPUs than this process sees (:func:`~sgl_rollout.config.tp_layout_problem`)."""
+    from .config import check_tp_layout, heads_of_model_path
+
+    args = config.engine_kwargs
+    tp = config.tensor_model_parallel_size
+    attn_tp = tp // int(args.get("dp_size", 1) or 1) if args.get("enable_dp_attention") else tp
+    check_tp_layout(attn_tp, heads_of_model_path(config.model_path))
+    try:
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else None
+    except ImportError:
+        visible = None
+    if visible:
+        base, step = int(args.get("base_gpu_id", 0) or 0), int(args.get("gpu_id_step", 1) or 1)
+        check_tp_layout(tp, gpus=max(0, (visible - base + step - 1) // step))
+
+
 # --------------------------------------------------------------------------- engine death
 _LIVE_ENGINES: "weakref.WeakSet[RolloutEngine]" = weakref.WeakSet()
 
@@ -319,6 +339,8 @@ class RolloutEngine:
 
     Raises:
         ImportError: SGLang is not installed.
+        TPLayoutError: the TP size does not split the model's attention or KV heads, or exceeds the
+            GPUs this process sees (checked before SGLang starts anything).
         RuntimeError: SGLang fails to start (its own error).
     """
 
@@ -357,6 +379,7 @@ class RolloutEngine:
     def _start(self) -> None:
         factory = self._factory
         if factory is None:
+            _check_tp_for_sglang(self.config)
             from sglang.srt.entrypoints.engine import Engine as factory  # noqa: N813
 
         self._generation += 1

@@ -69,8 +69,8 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from ..config import RolloutConfig
-from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, aggressive_empty_cache
+from ..config import RolloutConfig, check_tp_layout, model_heads
+from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
 from ..ray import RolloutServer, launch_rollout_server, merge_visible_devices
 from ..weight_sync import BucketStream
 from ..weight_sync import lora as lora_sync
@@ -91,6 +91,14 @@ from .verl_config import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Logger of the per-replica request counts (one line per replica at every sleep: once per training
+#: step). verl sets the root logger to WARNING in every process (``verl/__init__.py``:
+#: ``set_basic_config(logging.WARNING)``), which would hide INFO; this logger's own level is INFO, so
+#: the line reaches verl's console (Ray forwards the actor's stderr) unless the user sets it otherwise.
+requests_logger = logging.getLogger("sgl_rollout.requests")
+if requests_logger.level == logging.NOTSET:
+    requests_logger.setLevel(logging.INFO)
 
 __all__ = [
     "SglRolloutAdapter",
@@ -182,6 +190,28 @@ def rollout_config_for_verl(cfg, model_path: str, model_config=None, hf_config=N
     rc = rollout_config_from_verl(cfg, model_path, model_config=_WithoutLora(model_config), hf_config=hf_config,
                                   rollout_mode=rollout_mode, prefix=prefix)
     return RolloutConfig(**{**rc.model_dump(), **settings, "sleep_level": 1})
+
+def check_verl_tp(cfg, model_config, gpus: Optional[int] = None) -> None:
+    """Refuse a rollout TP size SGLang cannot run with this model (attention or KV heads not split
+    evenly) or that needs more GPUs than ``gpus``, before any engine starts (:func:`~sgl_rollout.config.
+    tp_layout_problem`; verl's own server would lose its actor to an assertion in SGLang's scheduler).
+
+    Args:
+        cfg: verl's rollout config (``tensor_model_parallel_size``, ``data_parallel_size``).
+        model_config: verl's model config (its ``hf_config`` gives the heads), or None.
+        gpus: GPUs of the trainer world (verl colocates a replica's ranks on them), or None.
+
+    Raises:
+        TPLayoutError: one line naming the numbers and the verl key.
+    """
+    tp = int(_get(cfg, "tensor_model_parallel_size", 1) or 1)
+    dp = int(_get(cfg, "data_parallel_size", 1) or 1)
+    key = f"{ROLLOUT_PREFIX}.tensor_model_parallel_size"
+    hf_config = _get(model_config, "hf_config", None) if model_config is not None else None
+    check_tp_layout(tp, model_heads(hf_config) if hf_config is not None else None, key=key)
+    if gpus is not None:
+        check_tp_layout(tp * dp, gpus=gpus, key=f"{key} x data_parallel_size")
+
 
 #: Replica roles (verl's ``is_reward_model`` / ``is_teacher_model`` flags) -> name part.
 ROLES = ("rollout", "reward", "teacher")
@@ -491,10 +521,18 @@ class VerlRolloutServer(RolloutServer):
     async def sleep(self) -> List[str]:
         """Log how many requests this replica served since its last sleep (so a multi-replica run
         shows that every replica generated), then release per ``sleep_level``."""
-        logger.info("sgl-rollout server %s:%s served %d requests since the last sleep (%d in all)",
-                    self._host, self._port, self._served["since_sleep"], self._served["total"])
+        requests_logger.info("sgl-rollout replica %s (%s): served %d requests since the last sleep (%d in all)",
+                             self._replica_label(), format_address(self._host, self._port),
+                             self._served["since_sleep"], self._served["total"])
         self._served["since_sleep"] = 0
         return await super().sleep()
+
+    def _replica_label(self) -> str:
+        """This actor's name (``sgl_rollout_server_<replica>_<node>``), or its address outside Ray."""
+        try:
+            return ray.get_runtime_context().get_actor_name() or "?"
+        except Exception:  # noqa: BLE001 - outside an actor (tests)
+            return "?"
 
     def request_counts(self) -> Dict[str, int]:
         """Requests admitted by :meth:`generate`: ``{"total", "since_sleep"}``."""
@@ -541,6 +579,7 @@ class SglRolloutReplica(RolloutReplica):
 
     Raises:
         UnsupportedVerlFeature: on construction, naming the verl key to change.
+        TPLayoutError: on construction, a TP size the model's heads do not split over (:func:`check_verl_tp`).
     """
 
     server_class = VerlRolloutServer
@@ -566,6 +605,7 @@ class SglRolloutReplica(RolloutReplica):
                 "VERL_RL_INSIGHT_ENABLE=1: rl-insight scrapes rollout metrics over HTTP from each replica's "
                 f"address and sgl-rollout serves no HTTP; unset it, or {VERL_BUILTIN}")
         _check_features(self.config, self.model_config)
+        check_verl_tp(self.config, self.model_config)
 
     @property
     def name(self) -> str:
@@ -714,10 +754,14 @@ class SglRolloutAdapter(BaseRollout):
 
     Raises:
         UnsupportedVerlFeature: a verl feature sgl-rollout refuses (see :mod:`.verl_config`).
+        TPLayoutError: a TP size the model's heads do not split over, or larger than the trainer world
+            (:func:`check_verl_tp`).
     """
 
     def __init__(self, config, model_config, device_mesh=None, *args, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
+        world = os.environ.get("WORLD_SIZE", "")
+        check_verl_tp(self.config, self.model_config, int(world) if world.isdigit() else None)
         self.rollout_config = rollout_config_for_verl(self.config, model_path_of(self.model_config),
                                                       model_config=self.model_config)
         self.sleep_level = self.rollout_config.sleep_level
@@ -799,26 +843,21 @@ class SglRolloutAdapter(BaseRollout):
         torch.distributed.broadcast_object_list(box, src=self._leader_global_rank(), group=self._tp_group)
         return box[0]
 
-    def _barrier(self) -> None:
-        if self._tp_group is not None:
-            torch.distributed.barrier(group=self._tp_group)
-
     # -------------------------------------------------------------- memory
     async def resume(self, tags: List[str]):
-        """Resume a stage of the staged wake: ``["weights"]`` or ``["kv_cache"]``.
+        """Resume a stage of the staged wake: ``["weights"]`` or ``["kv_cache"]`` (the TP leader asks the
+        engine actor; the other ranks return at once).
 
-        Before the KV cache comes back, every rank returns its freed trainer memory to the driver
-        (:func:`aggressive_empty_cache`).
+        Nothing is collected or emptied here: verl's ``update_weights`` (``verl/workers/engine_workers.py``)
+        has already synchronized, emptied torch's cache and passed a barrier of every trainer rank
+        before it resumes the KV cache, so a collection here would only add its cost (a full
+        ``gc.collect()`` over the trainer process's objects).
         """
-        if not self.rollout_config.free_cache_engine:
+        if not self.rollout_config.free_cache_engine or not self.is_leader_rank:
             return
-        if KV_CACHE in tags:
-            aggressive_empty_cache()
-            self._barrier()
-        if self.is_leader_rank:
-            for stage in (WEIGHTS, KV_CACHE):
-                if stage in tags:
-                    await self.server.resume_stage.remote(stage)
+        for stage in (WEIGHTS, KV_CACHE):
+            if stage in tags:
+                await self.server.resume_stage.remote(stage)
 
     async def release(self):
         """Release per ``sleep_level`` (weights and KV cache at level 2)."""

@@ -1,4 +1,4 @@
-"""Benchmarks. ``python -m sgl_rollout.bench sync`` times the weight sync into a real SGLang engine;
+"""Engine benchmarks. ``python -m sgl_rollout.bench sync`` times the weight sync into a real SGLang engine;
 ``python -m sgl_rollout.bench lora`` times a LoRA adapter sync against a full sync (:func:`bench_lora`);
 ``python -m sgl_rollout.bench gather`` times the sender's copy primitives alone (:func:`bench_gather`).
 
@@ -31,125 +31,18 @@ Engine starts must sit under ``if __name__ == "__main__":`` (SGLang spawns its s
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .models import LLAMA_1B, LORA_TARGETS, SMOLLM2_135M, gpu_engine_flags, llama_named_tensors, lora_named_tensors, make_llama_dir
+
 #: A bucket (MiB) that holds the whole bench model: the fast path's one-call sync.
 ONE_BUCKET_MB = 3072
-
-# TinyLlama-1.1B's shape.
-LLAMA_1B = dict(
-    hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-    num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
-)
-# SmolLM2-135M's shape (the demo's model; tied embeddings).
-SMOLLM2_135M = dict(
-    hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048, tie_word_embeddings=True,
-)
-# Tiny Llama for exact comparisons against Hugging Face.
-LLAMA_TINY = dict(
-    hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024,
-)
-
-
-def make_llama_dir(path: str, shape: Dict, dtype: torch.dtype = torch.bfloat16, with_weights: bool = False,
-                   seed: int = 0, init_std: float = 0.02):
-    """Write a Llama-shaped Hugging Face model folder (config, and weights when asked).
-
-    Args:
-        path: folder to write.
-        shape: LlamaConfig fields (``LLAMA_1B``, ``LLAMA_TINY``).
-        dtype: ``torch_dtype`` of the config and of the saved weights.
-        with_weights: save random weights (safetensors); else only config.json, for
-            ``load_format="dummy"``.
-        seed, init_std: random init of the weights (normal with this std).
-
-    Returns:
-        the ``LlamaForCausalLM`` (on CPU) when ``with_weights``, else None.
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    fields = {k: v for k, v in shape.items() if k != "tie_word_embeddings"}
-    cfg = LlamaConfig(**fields, architectures=["LlamaForCausalLM"], tie_word_embeddings=bool(shape.get("tie_word_embeddings")),
-                      initializer_range=init_std, torch_dtype=dtype, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
-    os.makedirs(path, exist_ok=True)
-    if not with_weights:
-        cfg.save_pretrained(path)
-        return None
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(dtype)
-    model.save_pretrained(path, safe_serialization=True)
-    return model
-
-
-def llama_named_tensors(shape: Dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                        seed: int = 0) -> List[Tuple[str, torch.Tensor]]:
-    """Random (name, tensor) pairs with Hugging Face Llama names and shapes, as a trainer sends them."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, i, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    hd = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * hd
-
-    def rnd(*s):
-        return (torch.randn(*s, device=device, dtype=torch.float32, generator=g) * 0.02).to(dtype)
-
-    out = [("model.embed_tokens.weight", rnd(v, h))]
-    for layer in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        out += [
-            (p + "self_attn.q_proj.weight", rnd(h, h)),
-            (p + "self_attn.k_proj.weight", rnd(kv, h)),
-            (p + "self_attn.v_proj.weight", rnd(kv, h)),
-            (p + "self_attn.o_proj.weight", rnd(h, h)),
-            (p + "mlp.gate_proj.weight", rnd(i, h)),
-            (p + "mlp.up_proj.weight", rnd(i, h)),
-            (p + "mlp.down_proj.weight", rnd(h, i)),
-            (p + "input_layernorm.weight", torch.ones(h, device=device, dtype=dtype)),
-            (p + "post_attention_layernorm.weight", torch.ones(h, device=device, dtype=dtype)),
-        ]
-    out.append(("model.norm.weight", torch.ones(h, device=device, dtype=dtype)))
-    if not shape.get("tie_word_embeddings"):
-        out.append(("lm_head.weight", rnd(v, h)))
-    return out
-
-
-#: Modules a LoRA adapter wraps in ``bench lora`` (PEFT's all-linear for Llama).
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def lora_named_tensors(shape: Dict, rank: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                       seed: int = 0) -> List[Tuple[str, torch.Tensor]]:
-    """Random adapter tensors with PEFT's names (``base_model.model.<module>.lora_A.weight``: ``(rank, in)``,
-    ``lora_B.weight``: ``(out, rank)``) on every :data:`LORA_TARGETS` module of a Llama of ``shape``."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    h, i = shape["hidden_size"], shape["intermediate_size"]
-    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
-    dims = {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}  # (in, out)
-    out = []
-    for layer in range(shape["num_hidden_layers"]):
-        for m in LORA_TARGETS:
-            part = "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            p = f"base_model.model.model.layers.{layer}.{part}.{m}."
-            fan_in, fan_out = dims[m]
-            out.append((p + "lora_A.weight", (torch.randn(rank, fan_in, device=device, generator=g) * 0.01).to(dtype)))
-            out.append((p + "lora_B.weight", (torch.randn(fan_out, rank, device=device, generator=g) * 0.01).to(dtype)))
-    return out
-
-
-def gpu_engine_flags() -> Dict:
-    """SGLang ServerArgs that work on the project's GPU host overlay (shared/gpu-overlay/README.md)."""
-    return dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none",
-                skip_tokenizer_init=True, log_level="error")
 
 
 def _timed(fn: Callable[[], None], repeats: int, before: Optional[Callable[[], None]] = None) -> List[float]:
@@ -167,7 +60,7 @@ def _timed(fn: Callable[[], None], repeats: int, before: Optional[Callable[[], N
 
 
 def _groups(named, limit):
-    from .weight_sync import iter_buckets
+    from ..weight_sync import iter_buckets
 
     return list(iter_buckets(named, limit))
 
@@ -183,11 +76,11 @@ def bench_sync(args) -> Dict:
         ``times_s``) and ``sender_peak_extra_bytes`` (torch peak allocation above the baseline during a
         flattened sync, per bucket size).
     """
-    from .config import RolloutConfig
-    from .engine import RolloutEngine
-    from .weight_sync import flatten_bucket, send_flattened_buckets, serialize
-    from .weight_sync.manifest import WeightManifest
-    from .weight_sync.sender import FastPathSender
+    from ..config import RolloutConfig
+    from ..engine import RolloutEngine
+    from ..weight_sync import flatten_bucket, send_flattened_buckets, serialize
+    from ..weight_sync.manifest import WeightManifest
+    from ..weight_sync.sender import FastPathSender
 
     model_dir = os.path.join(args.workdir, "llama-1.1b")
     make_llama_dir(model_dir, LLAMA_1B)
@@ -367,11 +260,11 @@ def bench_lora(args) -> Dict:
     colocated step; medians of ``args.repeats`` of a full sync (flattened buckets, this package's
     default bucket) and of an adapter sync (:class:`~sgl_rollout.weight_sync.lora.AdapterSync`: check,
     serialize, SGLang's ``load_lora_adapter_from_tensors`` replacing the previous version)."""
-    from .config import RolloutConfig
-    from .engine import RolloutEngine
-    from .weight_sync import send_flattened_buckets
-    from .weight_sync.lora import AdapterSync
-    from .weight_sync.manifest import WeightManifest
+    from ..config import RolloutConfig
+    from ..engine import RolloutEngine
+    from ..weight_sync import send_flattened_buckets
+    from ..weight_sync.lora import AdapterSync
+    from ..weight_sync.manifest import WeightManifest
 
     out = {"device": torch.cuda.get_device_name(), "sglang": _version("sglang"), "rank": args.rank,
            "repeats": args.repeats, "models": {}}
@@ -456,44 +349,3 @@ def print_table(res: Dict) -> None:
         print(f"{name:<22}{r['median_s'] * 1e3:>12.2f}{r['gb_per_s']:>10.1f}{extra}")
     for name, b in res.get("sender_peak_extra_bytes", {}).items():
         print(f"sender peak extra, {name}: {b / 2**20:.0f} MiB")
-
-
-def main(argv=None) -> int:
-    """``python -m sgl_rollout.bench sync [...]``; exit status 2 without a CUDA GPU."""
-    p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("sync", help="time the weight sync methods into one engine")
-    s.add_argument("--repeats", type=int, default=5)
-    s.add_argument("--mem-fraction", type=float, default=0.5)
-    s.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
-    s.add_argument("--out", default="bench_sync.json")
-    lo = sub.add_parser("lora", help="time an adapter sync against a full sync (demo model and 1.1B)")
-    lo.add_argument("--rank", type=int, default=16)
-    lo.add_argument("--repeats", type=int, default=5)
-    lo.add_argument("--mem-fraction", type=float, default=0.4)
-    lo.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
-    lo.add_argument("--out", default="bench_lora.json")
-    g = sub.add_parser("gather", help="time the sender's gather primitives (no engine)")
-    g.add_argument("--repeats", type=int, default=10)
-    g.add_argument("--out", default="bench_gather.json")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"bench {args.cmd} needs a CUDA GPU", file=sys.stderr)
-        return 2
-    if args.cmd == "lora":
-        res = bench_lora(args)
-        print_lora_table(res)
-    elif args.cmd == "gather":
-        res = bench_gather(args)
-        print_gather_table(res)
-    else:
-        res = bench_sync(args)
-        print_table(res)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

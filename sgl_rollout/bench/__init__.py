@@ -1,0 +1,16 @@
+"""Benchmarks, ``python -m sgl_rollout.bench <command>`` (:mod:`.__main__`):
+
+* ``verl``: verl's built-in SGLang rollout against this package in verl's own trainer, with verl's
+  metrics and the weight update split into phases (:mod:`.verl_compare`, :mod:`.verl_report`,
+  :mod:`.verl_probe`);
+* ``sync``, ``lora``, ``gather``: the weight sync into one SGLang engine, an adapter sync against a full
+  sync, the sender's copy primitives (:mod:`.sync`).
+
+:mod:`.models` makes the Llama-shaped model folders they (and the GPU tests) use.
+"""
+
+from .models import LLAMA_1B, LLAMA_TINY, LORA_TARGETS, SMOLLM2_135M, gpu_engine_flags, llama_named_tensors, \
+    lora_named_tensors, make_llama_dir
+
+__all__ = ["LLAMA_1B", "LLAMA_TINY", "LORA_TARGETS", "SMOLLM2_135M", "gpu_engine_flags", "llama_named_tensors",
+           "lora_named_tensors", "make_llama_dir"]

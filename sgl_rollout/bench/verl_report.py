@@ -1,0 +1,499 @@
+"""Reading and reporting ``python -m sgl_rollout.bench verl`` runs: verl's metrics, the probe's spans,
+the per-phase breakdown of ``timing_s/update_weights``, ``comparison.json``, the Markdown table, the plot.
+
+A run folder (one side of one pair, written by :mod:`.verl_compare`) holds ``metrics.jsonl`` (verl's
+file logger, ``verl/utils/tracking.py``), ``spans/spans-<pid>.jsonl`` (:mod:`.verl_probe`), ``nvml.json``
+(device memory seen through NVML) and ``run.json`` (exit status, command, what differed). Any of them
+may be missing or cut short: a run that failed part-way is reported as such, with what it logged.
+
+Statistics are over the training steps after the first (the first step pays one-time costs: CUDA-graph
+warm-up, the first optimizer state, the weight manifest): the median and the 90th percentile (the
+nearest-rank value). Weight-update phases come from one trainer process (TP rank 0 of replica 0): the
+spans inside its ``verl.update_weights`` window, see :func:`update_breakdown`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from ..demo.verl_task import SCORE_KEY, load_metrics, val_accuracy
+
+#: The two sides of a pair, in the order of the table's columns.
+SIDES = ("builtin", "ours")
+SIDE_LABELS = {"builtin": "verl built-in", "ours": "sgl-rollout"}
+
+#: verl's per-step timers (``verl/trainer/ppo/ray_trainer.py``: ``marked_timer``) reported, in step order.
+TIMING_KEYS = ("timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
+               "timing_s/update_actor", "timing_s/update_weights", "timing_s/step")
+#: verl's trainer memory metrics (``verl/utils/profiler``: the actor's torch peak, GB).
+MEMORY_KEYS = ("actor/perf/max_memory_allocated_gb", "actor/perf/max_memory_reserved_gb")
+UPDATE_KEY = "timing_s/update_weights"
+
+#: Trainer-side spans that split ``verl.update_weights`` into phases; time between them is verl's own.
+TOP_SPANS = ("rollout.resume", "verl.get_per_tensor_param", "rollout.update_weights", "rollout.release")
+
+
+# ------------------------------------------------------------------------------------ statistics
+def p90(xs: Sequence[float]) -> Optional[float]:
+    """90th percentile by nearest rank (None for no values)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[max(0, math.ceil(0.9 * len(s)) - 1)]
+
+
+def med(xs: Sequence[float]) -> Optional[float]:
+    """Median (None for no values)."""
+    return statistics.median(xs) if xs else None
+
+
+def _num(v) -> Optional[float]:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+# ------------------------------------------------------------------------------------ loading
+def load_spans(folder: Path) -> List[dict]:
+    """Every span of ``folder/spans-*.jsonl`` (:mod:`.verl_probe`), sorted by start; lines that are not
+    JSON objects with ``name``, ``t0`` and ``dt`` (a process killed mid-write) are skipped."""
+    out = []
+    for path in sorted(Path(folder).glob("spans-*.jsonl")):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and {"name", "t0", "dt"} <= rec.keys():
+                out.append(rec)
+    out.sort(key=lambda r: r["t0"])
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def training_rows(rows: List[dict]) -> List[dict]:
+    """verl's records of training steps (those with a rollout score), in step order."""
+    return [r for r in rows if _num(r.get(SCORE_KEY)) is not None]
+
+
+# ------------------------------------------------------------------------------------ breakdown
+def _end(s: dict) -> float:
+    return s["t0"] + s["dt"]
+
+
+def _base(name: str) -> str:
+    return name.split("[", 1)[0]
+
+
+def update_breakdown(spans: List[dict], update_s: Optional[float] = None) -> List[Tuple[str, float, Dict[str, float]]]:
+    """Phases of one ``verl.update_weights`` call, in time order.
+
+    ``spans`` are the spans of one step: the trainer's ``verl.update_weights`` span ``W`` first
+    (its process is the trainer process), then any others. Returned phases:
+
+    * ``ray: driver <-> trainer workers``: ``update_s`` (verl's ``timing_s/update_weights``) minus
+      ``W``: Ray's dispatch of ``update_weights`` to every trainer worker and the driver's wait;
+    * each trainer-side span of :data:`TOP_SPANS` inside ``W`` (e.g. ``rollout.resume[weights]``),
+      with its children: the spans of any process that start inside it, summed by name; a child
+      ``rollout.bucket`` (bucketing, the weights generator included) is reported less the
+      ``verl.weights`` generator time, and what no child covers as ``(rest: calls, round trips)``;
+    * ``verl: ...`` for the time between them (verl's own code: ``empty_cache``, offload, barrier).
+
+    Returns:
+        ``[(phase, seconds, {child: seconds})]``; empty when ``spans`` has no ``verl.update_weights``.
+    """
+    if not spans or spans[0]["name"] != "verl.update_weights":
+        return []
+    w, rest = spans[0], spans[1:]
+    w0, w1 = w["t0"], _end(w)
+    phases: List[Tuple[str, float, Dict[str, float]]] = []
+    if update_s is not None:
+        phases.append(("ray: driver <-> trainer workers", max(update_s - w["dt"], 0.0), {}))
+    tops = [s for s in rest if s["pid"] == w["pid"] and _base(s["name"]) in TOP_SPANS and w0 <= s["t0"] <= w1]
+    others = [s for s in rest if s not in tops]
+    cursor, prev = w0, None
+    for top in tops:
+        phases.append(_gap(f"verl: {'start' if prev is None else prev} -> {top['name']}", cursor, top["t0"], others, w))
+        t0, t1 = top["t0"], _end(top)
+        inner = [s for s in others if t0 <= s["t0"] <= t1]
+        kids: Dict[str, float] = {}
+        for s in inner:
+            kids[s["name"]] = kids.get(s["name"], 0.0) + s["dt"]
+        if "rollout.bucket" in kids and "verl.weights" in kids:
+            kids["rollout.bucket"] = max(kids["rollout.bucket"] - kids["verl.weights"], 0.0)
+        if kids:
+            # the rest of the phase: what no child span covers (spans nested in another child, e.g.
+            # SGLang's side of a call inside the caller's span, are not counted twice)
+            outer = [s for s in inner if not _nested(s, inner)]
+            covered = sum(s["dt"] for s in outer)
+            if any(s["name"] == "rollout.bucket" for s in outer):
+                covered -= sum(s["dt"] for s in outer if s["name"] == "verl.weights")  # inside the bucketing
+            kids["(rest: calls, round trips)"] = max(top["dt"] - covered, 0.0)
+        phases.append((top["name"], top["dt"], kids))
+        cursor, prev = max(cursor, t1), top["name"]
+    phases.append(_gap(f"verl: {'start' if prev is None else prev} -> end", cursor, w1, others, w))
+    return phases
+
+
+def _gap(name: str, t0: float, t1: float, others: List[dict], w: dict) -> Tuple[str, float, Dict[str, float]]:
+    """The phase between two trainer-side spans: verl's own code, with the trainer's spans inside it
+    (``torch.empty_cache``, ``torch.barrier``, ...) as children and the rest as ``(rest: verl)``."""
+    inner = [s for s in others if s["pid"] == w["pid"] and t0 <= s["t0"] <= t1]
+    kids: Dict[str, float] = {}
+    for s in inner:
+        kids[s["name"]] = kids.get(s["name"], 0.0) + s["dt"]
+    if kids:
+        outer = [s for s in inner if not _nested(s, inner)]
+        kids["(rest: verl)"] = max(t1 - t0 - sum(s["dt"] for s in outer), 0.0)
+    return name, max(t1 - t0, 0.0), kids
+
+
+def _nested(s: dict, among: List[dict]) -> bool:
+    """True when ``s`` lies inside another (non-busy) span of ``among``; busy spans (summed iterator
+    time) are never containers."""
+    if s.get("busy"):
+        return False
+    return any(o is not s and not o.get("busy") and o["t0"] <= s["t0"] and _end(s) <= _end(o)
+               and (o["dt"] > s["dt"] or o["t0"] < s["t0"]) for o in among)
+
+
+def steps_of(spans: List[dict]) -> Dict[int, List[dict]]:
+    """Spans grouped by training step: for each ``verl.update_weights`` span of the lowest-ranked
+    trainer process, that span first, then every span inside its window; plus ``replica.sleep`` spans
+    (the end of that step's generation) before it."""
+    ws = [s for s in spans if s["name"] == "verl.update_weights" and s.get("step") is not None]
+    if not ws:
+        return {}
+    lead_rank = min((s.get("rank") or 0) for s in ws)
+    ws = [s for s in ws if (s.get("rank") or 0) == lead_rank]
+    lead_pid = ws[0]["pid"]
+    ws = [s for s in ws if s["pid"] == lead_pid]
+    out: Dict[int, List[dict]] = {}
+    prev_end = -math.inf
+    for w in ws:
+        inside = [s for s in spans if s is not w and w["t0"] <= s["t0"] <= _end(w)]
+        sleeps = [s for s in spans if s["name"] == "replica.sleep" and prev_end <= s["t0"] < w["t0"]]
+        out[int(w["step"])] = [w] + inside + [dict(s, name="gen: replica.sleep") for s in sleeps]
+        prev_end = _end(w)
+    return out
+
+
+def _collect_phases(per_step: Dict[int, List[Tuple[str, float, Dict[str, float]]]]) -> Dict[str, List[float]]:
+    out: Dict[str, List[float]] = {}
+    for _step, phases in sorted(per_step.items()):
+        for name, secs, kids in phases:
+            out.setdefault(name, []).append(secs)
+            for k, v in kids.items():
+                out.setdefault(f"{name} / {k}", []).append(v)
+    return out
+
+
+# ------------------------------------------------------------------------------------ one run
+def summarize_run(run_dir: Path) -> dict:
+    """Everything the report needs of one run folder.
+
+    Returns:
+        dict: ``side``, ``pair``, ``status`` (``"ok"``, ``"failed"`` with ``exit_code``/``error``, or
+        ``"missing"``), ``steps`` (training steps logged), ``planned_steps``, ``metrics`` (key ->
+        ``{"median", "p90", "n", "values"}`` over steps after the first, for :data:`TIMING_KEYS` and
+        :data:`MEMORY_KEYS`), ``reward`` and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
+        (largest device memory in use on any GPU during the run, GB = 1e9 bytes),
+        ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, steps
+        after the first) with ``update_phase_order``, and ``per_step`` (step -> verl timings, for the plot).
+    """
+    run_dir = Path(run_dir)
+    info = _read_json(run_dir / "run.json")
+    out: dict = {"dir": str(run_dir), "side": info.get("side"), "pair": info.get("pair"),
+                 "planned_steps": info.get("steps"), "exit_code": info.get("exit_code"),
+                 "wall_s": info.get("wall_s"), "error": info.get("error")}
+    metrics_path = run_dir / "metrics.jsonl"
+    rows = load_metrics(metrics_path) if metrics_path.exists() else []
+    train = training_rows(rows)
+    out["steps"] = len(train)
+    if not info and not rows:
+        out["status"] = "missing"
+    elif info.get("exit_code") not in (0, None) or (out["planned_steps"] and len(train) < out["planned_steps"]):
+        out["status"] = "failed"
+    else:
+        out["status"] = "ok"
+    later = train[1:]
+    metrics = {}
+    for key in TIMING_KEYS + MEMORY_KEYS:
+        vals = [v for r in later if (v := _num(r.get(key))) is not None]
+        if vals:
+            metrics[key] = {"median": med(vals), "p90": p90(vals), "n": len(vals), "values": vals}
+    out["metrics"] = metrics
+    out["reward"] = [[r["step"], _num(r.get(SCORE_KEY))] for r in train]
+    out["val_acc"] = [[s, a] for s, a in val_accuracy(rows)]
+    out["per_step"] = {r["step"]: {k: _num(r.get(k)) for k in TIMING_KEYS if _num(r.get(k)) is not None} for r in train}
+    nvml = _read_json(run_dir / "nvml.json")
+    peaks = [p for p in (nvml.get("peak_used_bytes") or {}).values() if p is not None]
+    out["nvml_peak_gb"] = max(peaks) / 1e9 if peaks else None
+    out["nvml_error"] = nvml.get("error")
+    spans = load_spans(run_dir / "spans")
+    by_step = steps_of(spans)
+    update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
+    first = train[0]["step"] if train else None
+    per_step_phases = {}
+    order: List[str] = []
+    for step, ss in by_step.items():
+        phases = update_breakdown([s for s in ss if not s["name"].startswith("gen: ")], update_by_step.get(step))
+        sleeps = [s for s in ss if s["name"] == "gen: replica.sleep"]
+        if sleeps:
+            phases.append(("gen: replica.sleep (slowest replica)", max(s["dt"] for s in sleeps), {}))
+        per_step_phases[step] = phases
+        for name, _secs, kids in phases:
+            for n in [name] + [f"{name} / {k}" for k in kids]:
+                if n not in order:
+                    order.append(n)
+    out["update_phases_per_step"] = {str(k): v for k, v in per_step_phases.items()}
+    collected = _collect_phases({k: v for k, v in per_step_phases.items() if k != first})
+    out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
+    out["update_phase_order"] = order
+    return out
+
+
+# ------------------------------------------------------------------------------------ comparison
+def _metric(run: dict, key: str, stat: str = "median") -> Optional[float]:
+    m = run.get("metrics", {}).get(key)
+    return m.get(stat) if m else None
+
+
+def _last(series: List[list]) -> Optional[float]:
+    vals = [v for _s, v in series if v is not None]
+    return vals[-1] if vals else None
+
+
+def _first(series: List[list]) -> Optional[float]:
+    vals = [v for _s, v in series if v is not None]
+    return vals[0] if vals else None
+
+
+def accuracy_noise(p1: Optional[float], p2: Optional[float], n_val: int) -> Optional[float]:
+    """Two standard errors of the difference of two held-out accuracies over ``n_val`` problems each
+    (binomial): the band within which two runs of the same method differ by chance."""
+    if p1 is None or p2 is None or n_val <= 0:
+        return None
+    return 2.0 * math.sqrt((p1 * (1 - p1) + p2 * (1 - p2)) / n_val)
+
+
+def targets(builtin: dict, ours: dict, n_val: int) -> List[dict]:
+    """The issue's targets for one pair, each ``{"target", "builtin", "ours", "ratio", "met"}`` (``met``
+    None when a side lacks the figure):
+
+    * ``timing_s/update_weights`` median: ours <= half the built-in's;
+    * ``timing_s/gen``, ``timing_s/step`` medians, ``actor/perf/max_memory_allocated_gb`` and the
+      NVML peak: ours <= the built-in's;
+    * last held-out accuracy: within :func:`accuracy_noise`.
+    """
+    rows = []
+
+    def add(target, b, o, limit_ratio):
+        ratio = (o / b) if (b not in (None, 0) and o is not None) else None
+        rows.append({"target": target, "builtin": b, "ours": o, "ratio": ratio,
+                     "met": None if ratio is None else ratio <= limit_ratio})
+
+    add("timing_s/update_weights (median) <= 0.5x built-in", _metric(builtin, UPDATE_KEY), _metric(ours, UPDATE_KEY), 0.5)
+    add("timing_s/gen (median) <= built-in", _metric(builtin, "timing_s/gen"), _metric(ours, "timing_s/gen"), 1.0)
+    add("timing_s/step (median) <= built-in", _metric(builtin, "timing_s/step"), _metric(ours, "timing_s/step"), 1.0)
+    add("actor/perf/max_memory_allocated_gb <= built-in", _metric(builtin, MEMORY_KEYS[0], "p90"),
+        _metric(ours, MEMORY_KEYS[0], "p90"), 1.0)
+    add("NVML peak device memory <= built-in", builtin.get("nvml_peak_gb"), ours.get("nvml_peak_gb"), 1.0)
+    b_acc, o_acc = _last(builtin.get("val_acc", [])), _last(ours.get("val_acc", []))
+    band = accuracy_noise(b_acc, o_acc, n_val)
+    rows.append({"target": f"last held-out accuracy within noise (+-2 SE over {n_val} problems)", "builtin": b_acc,
+                 "ours": o_acc, "ratio": None, "band": band,
+                 "met": None if band is None else abs(b_acc - o_acc) <= band})
+    return rows
+
+
+def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None, n_val: int = 128) -> dict:
+    """``comparison.json``'s content for the run folders of each pair (``{pair: {side: folder}}``)."""
+    pairs = []
+    for pair in sorted(run_dirs):
+        runs = {side: summarize_run(path) for side, path in run_dirs[pair].items()}
+        entry = {"pair": pair, "runs": runs}
+        if all(s in runs for s in SIDES):
+            entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
+        pairs.append(entry)
+    return {"config": config or {}, "pairs": pairs}
+
+
+# ------------------------------------------------------------------------------------ Markdown
+def _f(v, spec=".3f", unit="") -> str:
+    return "n/a" if v is None else f"{format(v, spec)}{unit}"
+
+
+def _status(run: dict) -> str:
+    if run["status"] == "ok":
+        return f"{run['steps']} steps"
+    if run["status"] == "missing":
+        return "not run"
+    code = run.get("exit_code")
+    why = f"exit {code}" if code not in (None, 0) else "stopped early"
+    err = f": {run['error']}" if run.get("error") else ""
+    return f"**failed** after {run['steps']} of {run.get('planned_steps') or '?'} steps ({why}{err})"
+
+
+def markdown(comparison: dict) -> str:
+    """The report: per pair, verl's metrics (median / p90 over steps after the first) side by side, the
+    targets, and the weight-update breakdown (median seconds per phase)."""
+    lines: List[str] = []
+    cfg = comparison.get("config", {})
+    if cfg:
+        lines.append(f"# verl built-in SGLang rollout vs sgl-rollout: {cfg.get('title', '')}".rstrip(": "))
+        lines.append("")
+        for k in ("model", "machine", "command", "steps", "ngpus", "tp", "sglang", "verl", "sgl_rollout"):
+            if cfg.get(k) is not None:
+                lines.append(f"- {k}: `{cfg[k]}`")
+        for d in cfg.get("differences", []):
+            lines.append(f"- differs: {d}")
+        lines.append("")
+    for entry in comparison.get("pairs", []):
+        runs = entry["runs"]
+        order = " then ".join(SIDE_LABELS[s] for s in entry.get("order", SIDES) if s in runs)
+        lines.append(f"## Pair {entry['pair']}" + (f" (run {order})" if order else ""))
+        lines.append("")
+        cols = [s for s in SIDES if s in runs]
+        lines.append("| metric | " + " | ".join(f"{SIDE_LABELS[s]}: median / p90" for s in cols)
+                     + (" | sgl-rollout / built-in |" if len(cols) == 2 else " |"))
+        lines.append("| --- | " + " | ".join("---:" for _ in cols) + (" | ---: |" if len(cols) == 2 else " |"))
+        lines.append("| run | " + " | ".join(_status(runs[s]) for s in cols) + (" | |" if len(cols) == 2 else " |"))
+        for key in TIMING_KEYS + MEMORY_KEYS:
+            if not any(key in runs[s].get("metrics", {}) for s in cols):
+                continue
+            cells = [f"{_f(_metric(runs[s], key))} / {_f(_metric(runs[s], key, 'p90'))}" for s in cols]
+            ratio = ""
+            if len(cols) == 2:
+                b, o = _metric(runs["builtin"], key), _metric(runs["ours"], key)
+                ratio = f" | {_f(o / b, '.2f')}x" if b and o is not None else " | n/a"
+            lines.append(f"| `{key}` | " + " | ".join(cells) + ratio + (" |" if ratio else " |"))
+        nv = [f"{_f(runs[s].get('nvml_peak_gb'), '.1f', ' GB')}" for s in cols]
+        lines.append("| peak device memory (NVML, any GPU) | " + " | ".join(nv) + (" | |" if len(cols) == 2 else " |"))
+        rw = [f"{_f(_first(runs[s]['reward']))} -> {_f(_last(runs[s]['reward']))}" for s in cols]
+        lines.append("| rollout score, first -> last step | " + " | ".join(rw) + (" | |" if len(cols) == 2 else " |"))
+        va = [f"{_f(_first(runs[s]['val_acc']))} -> {_f(_last(runs[s]['val_acc']))}" for s in cols]
+        lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
+        lines.append("")
+        if entry.get("targets"):
+            lines.append("| target | built-in | sgl-rollout | ratio | met |")
+            lines.append("| --- | ---: | ---: | ---: | --- |")
+            for t in entry["targets"]:
+                met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+                extra = f" (band {_f(t.get('band'))})" if t.get("band") is not None else ""
+                lines.append(f"| {t['target']} | {_f(t['builtin'])} | {_f(t['ours'])} | "
+                             f"{_f(t['ratio'], '.2f')}{extra} | {met} |")
+            lines.append("")
+        names: List[str] = []
+        for s in cols:
+            for n in runs[s].get("update_phase_order", []):
+                if n not in names:
+                    names.append(n)
+        if names:
+            lines.append("Where `timing_s/update_weights` goes (median ms over steps after the first; "
+                         "`a / b`: b's share of phase a):")
+            lines.append("")
+            lines.append("| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |")
+            lines.append("| --- | " + " | ".join("---:" for _ in cols) + " |")
+            for n in names:
+                cells = []
+                for s in cols:
+                    v = runs[s].get("update_phases", {}).get(n, {}).get("median")
+                    cells.append(_f(None if v is None else v * 1e3, ".1f"))
+                lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------ plot
+STEP_PHASES = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor",
+               "timing_s/update_weights")
+
+
+def plot(comparison: dict, path: Path) -> Optional[Path]:
+    """Per-step time by phase for both sides of every pair: one row of two panels per pair (left:
+    verl's step phases as stacked bars, the rest of ``timing_s/step`` as "other"; right: the weight
+    update's phases). Returns the PNG path, or None when no run logged a step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = [p for p in comparison.get("pairs", []) if any(r.get("per_step") for r in p["runs"].values())]
+    if not pairs:
+        return None
+    fig, axes = plt.subplots(len(pairs), 2, figsize=(13, 4 * len(pairs)), squeeze=False)
+    colors = plt.get_cmap("tab10").colors
+    for row, entry in enumerate(pairs):
+        ax, ax2 = axes[row]
+        width = 0.38
+        for i, side in enumerate(s for s in SIDES if s in entry["runs"]):
+            run = entry["runs"][side]
+            steps = sorted(run.get("per_step", {}), key=int)
+            xs = [int(s) + (i - 0.5) * width for s in steps]
+            bottom = [0.0] * len(steps)
+            for j, key in enumerate(STEP_PHASES + ("other",)):
+                if key == "other":
+                    vals = [max((run["per_step"][s].get("timing_s/step") or 0.0) - b, 0.0) for s, b in zip(steps, bottom)]
+                else:
+                    vals = [run["per_step"][s].get(key) or 0.0 for s in steps]
+                ax.bar(xs, vals, width, bottom=bottom, color=colors[j % 10], hatch="" if side == "builtin" else "//",
+                       edgecolor="black", linewidth=0.3,
+                       label=(key.split("/")[-1] if i == 0 else None))
+                bottom = [b + v for b, v in zip(bottom, vals)]
+            # weight-update phases per step (top-level only)
+            per = run.get("update_phases_per_step", {})
+            ph_steps = sorted(per, key=int)
+            xs2 = [int(s) + (i - 0.5) * width for s in ph_steps]
+            bottom2 = [0.0] * len(ph_steps)
+            names = [n for n in run.get("update_phase_order", []) if " / " not in n and not n.startswith("gen:")]
+            for j, name in enumerate(names):
+                vals = [next((sec for n, sec, _k in per[s] if n == name), 0.0) for s in ph_steps]
+                ax2.bar(xs2, vals, width, bottom=bottom2, color=colors[j % 10], hatch="" if side == "builtin" else "//",
+                        edgecolor="black", linewidth=0.3, label=name if i == 0 or side == "ours" else None)
+                bottom2 = [b + v for b, v in zip(bottom2, vals)]
+        ax.set_title(f"pair {entry['pair']}: verl step phases (plain: built-in, hatched: sgl-rollout)")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("seconds")
+        ax.legend(fontsize=7, ncol=3)
+        ax2.set_title(f"pair {entry['pair']}: timing_s/update_weights by phase (plain: built-in, hatched: sgl-rollout)")
+        ax2.set_xlabel("training step")
+        ax2.set_ylabel("seconds")
+        handles, labels = ax2.get_legend_handles_labels()
+        seen = {}
+        for h, lab in zip(handles, labels):
+            seen.setdefault(lab, h)
+        ax2.legend(list(seen.values()), list(seen.keys()), fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(out_dir: Path, run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
+                 n_val: int = 128, orders: Optional[Dict[int, Iterable[str]]] = None) -> dict:
+    """Write ``comparison.json``, ``comparison.md`` and ``comparison.png`` into ``out_dir``; returns the
+    comparison (also when runs failed or are missing: they are reported as such)."""
+    out_dir = Path(out_dir)
+    comp = compare(run_dirs, config, n_val)
+    for entry in comp["pairs"]:
+        if orders and entry["pair"] in orders:
+            entry["order"] = list(orders[entry["pair"]])
+    (out_dir / "comparison.json").write_text(json.dumps(comp, indent=1, default=str) + "\n")
+    (out_dir / "comparison.md").write_text(markdown(comp))
+    png = plot(comp, out_dir / "comparison.png")
+    comp["plot"] = str(png) if png else None
+    return comp

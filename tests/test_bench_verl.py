@@ -1,0 +1,323 @@
+"""``python -m sgl_rollout.bench verl`` on the CPU: the timing probe (wrappers, import hooks, verl's
+dispatch marks kept), the exit status where verl's GPU stack is missing, the TP-layout refusal and the
+per-replica request counts at verl's default log level."""
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from sgl_rollout.bench import verl_compare, verl_probe
+from sgl_rollout.config import TPLayoutError, check_tp_layout, heads_of_model_path, model_heads, tp_layout_problem
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def spans_in(folder: Path) -> list:
+    return [json.loads(line) for f in sorted(folder.glob("spans-*.jsonl")) for line in f.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------ probe
+@pytest.fixture
+def probe_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv(verl_probe.ENV_DIR, str(tmp_path / "spans"))
+    monkeypatch.setattr(verl_probe, "_file", None)
+    yield tmp_path / "spans"
+    if verl_probe._file is not None:
+        verl_probe._file.close()
+    monkeypatch.setattr(verl_probe, "_file", None)
+
+
+def test_timed_records_sync_async_errors_and_step(probe_dir):
+    calls = []
+
+    async def update_weights(self, global_steps=None, mode="auto"):
+        calls.append(("update", global_steps))
+        return "done"
+
+    def resume(self, tags):
+        calls.append(("resume", tuple(tags)))
+        if "bad" in tags:
+            raise KeyError("bad")
+        return 1
+
+    w_update = verl_probe.timed(update_weights, "verl.update_weights", step_kw="global_steps", window=True)
+    w_resume = verl_probe.timed(resume, "rollout.resume", name_of=verl_probe._tags_at(1))
+    assert asyncio.iscoroutinefunction(w_update) and not asyncio.iscoroutinefunction(w_resume)
+    assert asyncio.run(w_update(None, global_steps=7)) == "done"
+    assert w_resume(None, ["weights"]) == 1
+    with pytest.raises(KeyError):
+        w_resume(None, ["kv_cache", "bad"])
+    assert verl_probe.timed(w_resume, "again") is w_resume  # never wrapped twice
+    got = spans_in(probe_dir)
+    assert [s["name"] for s in got] == ["verl.update_weights", "rollout.resume[weights]", "rollout.resume[bad,kv_cache]"]
+    assert got[0]["step"] == 7 and got[0]["pid"] == os.getpid() and got[0]["dt"] >= 0
+    assert got[2]["error"] == "KeyError" and "error" not in got[1]
+    assert calls == [("update", 7), ("resume", ("weights",)), ("resume", ("kv_cache", "bad"))]
+
+
+def test_window_only_spans_are_emitted_inside_the_weight_update_only(probe_dir):
+    inner = verl_probe.timed(lambda: None, "torch.empty_cache", window_only=True)
+
+    async def update_weights(global_steps=None):
+        inner()
+        await asyncio.sleep(0)
+        inner()
+
+    outer = verl_probe.timed(update_weights, "verl.update_weights", step_kw="global_steps", window=True)
+    inner()  # outside: not recorded (torch calls are frequent in training)
+    asyncio.run(outer(global_steps=1))
+    inner()
+    assert [s["name"] for s in spans_in(probe_dir)] == ["torch.empty_cache", "torch.empty_cache", "verl.update_weights"]
+    assert verl_probe._window == 0
+
+
+def test_generators_are_timed_as_busy_spans(probe_dir):
+    def get_per_tensor_param():
+        def gen():
+            for i in range(3):
+                yield f"w{i}", i
+        return gen(), None
+
+    wrapped = verl_probe.timed(get_per_tensor_param, "verl.get_per_tensor_param",
+                               result=verl_probe._gen_result("verl.weights"))
+    it, peft = wrapped()
+    assert peft is None and list(it) == [("w0", 0), ("w1", 1), ("w2", 2)]
+
+    async def buckets(weights, size):
+        for w in weights:
+            yield [w]
+
+    abuckets = verl_probe._agen_factory(buckets, "rollout.bucket")
+
+    async def drain():
+        return [b async for b in abuckets(["a", "b"], 1)]
+
+    assert asyncio.run(drain()) == [["a"], ["b"]]
+    got = {s["name"]: s for s in spans_in(probe_dir)}
+    assert got["verl.weights"]["busy"] and got["verl.weights"]["n"] == 3
+    assert got["rollout.bucket"]["busy"] and got["rollout.bucket"]["n"] == 2
+    assert got["verl.get_per_tensor_param"]["dt"] >= 0
+
+
+def test_patch_keeps_verl_dispatch_marks_and_install_hooks_imports(probe_dir, tmp_path, monkeypatch):
+    """verl's ``register`` marks (the worker group reads them) survive; a module imported after install()
+    is patched by wrapt's post-import hook."""
+    pytest.importorskip("verl")
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch, register
+
+    class Worker:
+        @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+        async def update_weights(self, global_steps=None):
+            return global_steps
+
+    mod = types.ModuleType("probe_target")
+    mod.Worker = Worker
+    assert verl_probe._patch(mod, "Worker.update_weights", dict(name="verl.update_weights", step_kw="global_steps"))
+    assert not verl_probe._patch(mod, "Missing.method", dict(name="x"))
+    fn = Worker.update_weights
+    assert getattr(fn, MAGIC_ATTR)["dispatch_mode"] == Dispatch.ONE_TO_ALL and asyncio.iscoroutinefunction(fn)
+    assert asyncio.run(Worker().update_weights(global_steps=3)) == 3
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "probe_late_mod.py").write_text("class A:\n    def go(self):\n        return 5\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    monkeypatch.setattr(verl_probe, "TARGETS", [("probe_late_mod", "A.go", dict(name="late.go"))])
+    monkeypatch.setattr(verl_probe, "_installed", False)
+    assert verl_probe.install()
+    import probe_late_mod
+
+    assert probe_late_mod.A().go() == 5
+    assert [s["name"] for s in spans_in(probe_dir)] == ["verl.update_weights", "late.go"]
+
+
+def test_install_is_inert_without_the_folder(monkeypatch):
+    monkeypatch.delenv(verl_probe.ENV_DIR, raising=False)
+    monkeypatch.setattr(verl_probe, "_installed", False)
+    assert verl_probe.install() is False
+
+
+def test_probe_targets_exist_in_verl():
+    """Every verl target names a real attribute of verl 0.9.1 (a renamed method would silently go
+    untimed)."""
+    pytest.importorskip("verl")
+    import importlib
+
+    missing = []
+    for mod, path, _how in verl_probe.TARGETS:
+        if not (mod.startswith("verl.") or mod.startswith("sgl_rollout.") or mod.startswith("torch")):
+            continue
+        if mod.startswith("verl.workers.rollout.sglang_rollout"):
+            continue  # imports SGLang's serving stack, absent from the CPU test environment
+        obj = importlib.import_module(mod)
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            missing.append(f"{mod}.{path}")
+    assert missing == []
+
+
+# ------------------------------------------------------------------------------------ command
+def test_command_exits_2_with_one_line_without_sglang_kernels():
+    """The CPU test environment has verl and SGLang's Python package but not its kernels."""
+    proc = subprocess.run([sys.executable, "-m", "sgl_rollout.bench", "verl", "--steps", "1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("bench verl: ") and "kernels" in lines[0]
+
+
+def test_preflight_names_what_is_missing():
+    present = lambda name: object()  # noqa: E731
+    verl_compare.preflight(1, find_spec=present, cuda_devices=lambda: 1)
+    with pytest.raises(verl_compare.SetupError, match=r"^verl \(pip install verl==0.9.1\) is not installed"):
+        verl_compare.preflight(1, find_spec=lambda n: None if n == "verl" else object(), cuda_devices=lambda: 1)
+    with pytest.raises(verl_compare.SetupError, match=r"2 CUDA GPU\(s\) needed, 1 visible"):
+        verl_compare.preflight(2, find_spec=present, cuda_devices=lambda: 1)
+
+
+def test_the_two_sides_differ_only_in_the_plugins_and_the_run_name(tmp_path):
+    pytest.importorskip("verl")
+    b = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "b", 1, 1, 4, 0.5, python="python")
+    o = verl_compare.side_command("ours", tmp_path / "m", tmp_path / "o", 1, 1, 4, 0.5, python="python")
+    norm = lambda cmd, d: [a.replace(str(d), "RUN") for a in cmd]  # noqa: E731
+    diff = [(x, y) for x, y in zip(norm(b, tmp_path / "b"), norm(o, tmp_path / "o")) if x != y]
+    assert len(b) == len(o)
+    assert diff == [("trainer.experiment_name=compare_builtin", "trainer.experiment_name=compare_ours"),
+                    ("+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='sgl_rollout_probe'",
+                     "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='sgl_rollout,sgl_rollout_probe'")]
+    assert verl_compare.FAST_SYNC_OVERRIDE in verl_compare.side_command(
+        "ours", tmp_path, tmp_path, 1, 1, 4, 0.5, fast_sync=True, python="python")
+    assert len(verl_compare.differences(fast_sync=True)) == len(verl_compare.differences(fast_sync=False)) + 1
+    # hydra composes the command's overrides (the quoted plugin list is one string, not a sweep)
+    from test_verl_config import compose
+
+    root = compose(*[a for a in o[3:] if not a.startswith(("actor_rollout_ref.model.path", "hydra."))],
+                   model_path=str(tmp_path / "m"))
+    assert root.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS == "sgl_rollout,sgl_rollout_probe"
+
+
+def test_nvml_sampler_keeps_the_peak_and_reports_a_missing_nvml():
+    class FakeNvml:
+        def __init__(self):
+            self.used = [100, 200]
+
+        def nvmlInit(self):
+            pass
+
+        def nvmlDeviceGetCount(self):
+            return 2
+
+        def nvmlDeviceGetHandleByIndex(self, i):
+            return i
+
+        def nvmlDeviceGetMemoryInfo(self, h):
+            return types.SimpleNamespace(used=self.used[h])
+
+    nv = FakeNvml()
+    s = verl_compare.NvmlSampler(interval_s=0.01, nvml=nv).start()
+    nv.used = [500, 150]
+    import time
+
+    time.sleep(0.1)
+    nv.used = [300, 150]
+    time.sleep(0.05)
+    out = s.stop()
+    assert out["baseline_bytes"] == {"0": 100, "1": 200} and out["peak_used_bytes"] == {"0": 500, "1": 200}
+    assert out["error"] is None
+
+    class NoNvml(FakeNvml):
+        def nvmlInit(self):
+            raise OSError("libnvidia-ml.so.1: cannot open")
+
+    out = verl_compare.NvmlSampler(nvml=NoNvml()).start().stop()
+    assert out["peak_used_bytes"] == {} and "libnvidia-ml" in out["error"]
+
+
+# ------------------------------------------------------------------------------------ TP layout
+@pytest.mark.parametrize("tp,heads,gpus,msg", [
+    (2, (9, 3), None, "does not divide the model's 9 attention heads.*TP sizes that fit: \\[1, 3, 9\\]"),
+    (2, (8, 3), None, "does not fit the model's 3 KV heads"),
+    (4, (32, 8), 2, "tensor_model_parallel_size=4 exceeds the 2 GPU\\(s\\) available"),
+])
+def test_tp_layout_refused_with_the_numbers(tp, heads, gpus, msg):
+    with pytest.raises(TPLayoutError, match=msg):
+        check_tp_layout(tp, heads, gpus)
+
+
+@pytest.mark.parametrize("tp,heads", [(1, (9, 3)), (3, (9, 3)), (2, (8, 2)), (8, (32, 4)), (4, (32, 2))])
+def test_tp_layouts_sglang_runs_pass(tp, heads):
+    assert tp_layout_problem(tp, heads, gpus=8) is None
+
+
+def test_model_heads_from_configs(tmp_path):
+    assert model_heads({"num_attention_heads": 9, "num_key_value_heads": 3}) == (9, 3)
+    assert model_heads(types.SimpleNamespace(num_attention_heads=8)) == (8, 8)  # MHA: KV heads = heads
+    vl = types.SimpleNamespace(text_config=types.SimpleNamespace(num_attention_heads=16, num_key_value_heads=2))
+    assert model_heads(vl) == (16, 2) and model_heads({}) is None
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    assert heads_of_model_path(str(tmp_path)) == (9, 3) and heads_of_model_path(str(tmp_path / "none")) is None
+
+
+def test_engine_refuses_the_layout_before_sglang_starts(tmp_path, monkeypatch):
+    """RolloutEngine with the real SGLang factory: the refusal comes before SGLang is imported or spawns."""
+    from sgl_rollout.config import RolloutConfig
+    from sgl_rollout.engine import RolloutEngine
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    monkeypatch.setitem(sys.modules, "sglang.srt.entrypoints.engine", None)  # importing it would fail loudly
+    with pytest.raises(TPLayoutError, match="9 attention heads"):
+        RolloutEngine(RolloutConfig(model_path=str(tmp_path), tensor_model_parallel_size=2))
+
+
+def test_verl_adapter_refuses_a_tp_the_model_heads_do_not_split(tmp_path, monkeypatch):
+    """verl's trainer worker builds the adapter before any replica starts: that is where it is refused."""
+    pytest.importorskip("verl")
+    from test_verl_config import compose, make_tiny_model
+
+    from sgl_rollout.integrations.verl_rollout import SglRolloutAdapter, check_verl_tp
+
+    model = make_tiny_model(str(tmp_path / "tiny"))  # 4 attention heads, 2 KV heads
+    root = compose("actor_rollout_ref.rollout.tensor_model_parallel_size=3", model_path=model)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(TPLayoutError, match=r"actor_rollout_ref.rollout.tensor_model_parallel_size=3 does not "
+                                            r"divide the model's 4 attention heads"):
+        SglRolloutAdapter(root.actor_rollout_ref.rollout, root.actor_rollout_ref.model, device_mesh=None)
+    root = compose("actor_rollout_ref.rollout.tensor_model_parallel_size=2", model_path=model)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(TPLayoutError, match="exceeds the 1 GPU"):
+        SglRolloutAdapter(root.actor_rollout_ref.rollout, root.actor_rollout_ref.model, device_mesh=None)
+    smol = types.SimpleNamespace(hf_config=types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3))
+    with pytest.raises(TPLayoutError, match="9 attention heads"):
+        check_verl_tp(root.actor_rollout_ref.rollout, smol)
+
+
+# ------------------------------------------------------------------------------------ request counts
+def test_request_counts_reach_verls_console_at_its_default_level(tmp_path):
+    """In a process set up as verl sets up every process (``import verl``: root logger at WARNING), the
+    server's sleep prints the replica's request counts on stderr, which Ray forwards to verl's console."""
+    pytest.importorskip("verl")
+    pytest.importorskip("ray")
+    script = textwrap.dedent("""
+        import asyncio, logging
+        import verl  # sets the root logger to WARNING, as in verl's driver and Ray actors
+        assert logging.getLogger().level == logging.WARNING
+        from sgl_rollout.integrations.verl_rollout import VerlRolloutServer
+        srv = VerlRolloutServer({"model_path": "/models/x", "free_cache_engine": False})
+        srv._served.update(total=300, since_sleep=128)
+        logging.getLogger("sgl_rollout").info("ordinary INFO stays hidden")
+        asyncio.run(srv.sleep())
+        """)
+    env = dict(os.environ, RAY_ADDRESS="", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "served 128 requests since the last sleep (300 in all)" in proc.stderr
+    assert "ordinary INFO stays hidden" not in proc.stderr
