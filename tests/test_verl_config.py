@@ -165,6 +165,9 @@ def test_refusals_name_the_verl_key():
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.tp_size=4")
     with pytest.raises(UnsupportedVerlFeature, match="enable_memory_saver"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_memory_saver=false")
+    # the fast path is not wired through verl: the key is refused, not silently ignored
+    with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout=\{'fast_sync': True\}"):
+        mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true")
 
 
 def test_rollout_mode_decides_what_sleep_releases():

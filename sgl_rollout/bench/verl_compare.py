@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,12 +37,8 @@ from typing import Dict, List, Optional, Sequence
 
 #: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: a comma list loads only those plugins).
 PLUGINS = {"builtin": "sgl_rollout_probe", "ours": "sgl_rollout,sgl_rollout_probe"}
-#: The verl override that turns this package's fast-path weight sync on (ours only; verl ignores
-#: ``engine_kwargs`` other than its backend's).
-FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=True"
 #: Shapes ``--random-model`` can build (Llama-shaped, random bf16 weights, the source model's tokenizer).
 RANDOM_SHAPES = ("1b",)
-
 
 class SetupError(RuntimeError):
     """What keeps the comparison from running here (verl, a GPU, SGLang's kernels, the model); one line."""
@@ -159,19 +156,16 @@ class NvmlSampler:
 
 
 # ------------------------------------------------------------------------------------ runs
-def differences(fast_sync: bool) -> List[str]:
+def differences() -> List[str]:
     """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
            "which rollout answers rollout.name=sglang; both load the timing probe (sgl_rollout_probe)",
            "trainer.experiment_name: compare_builtin vs compare_ours, to tell the runs apart in verl's logs"]
-    if fast_sync:
-        out.append(f"{FAST_SYNC_OVERRIDE} (sgl-rollout only): selects this package's fast-path weight sync; "
-                   "verl's built-in ignores engine_kwargs other than its own backend's")
     return out
 
 
 def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int, steps: int,
-                 gpu_memory_utilization: float, extra: Sequence[str] = (), fast_sync: bool = False,
+                 gpu_memory_utilization: float, extra: Sequence[str] = (),
                  python: str = sys.executable) -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``)."""
     from ..demo.verl_task import grpo_overrides
@@ -181,8 +175,6 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     env_keys = {"SGL_ROLLOUT_PROBE_DIR": str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
-    if fast_sync and side == "ours":
-        overrides.append(FAST_SYNC_OVERRIDE)
     return [python, "-m", "verl.trainer.main_ppo", *overrides, *extra]
 
 
@@ -265,16 +257,25 @@ def _wait_gpu_idle(sampler: NvmlSampler, slack_bytes: int = 2 << 30, timeout_s: 
 
 
 def last_error_line(log: Path) -> Optional[str]:
-    """The last line of ``log`` that names an error (``...Error``, ``Exception``, ``Traceback``), for the report."""
+    """The last exception line of ``log`` (``<name>Error: ...`` or ``<name>Exception: ...``, from the
+    exception's name on, at most 300 characters), for the report; warnings that name an error (verl prints
+    ``UserWarning: megatron engine is not available: ModuleNotFoundError(...)`` at every start) are skipped.
+    None when there is none or the log cannot be read."""
     try:
         lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
         return None
     for line in reversed(lines):
-        s = line.strip()
-        if ("Error" in s or "Exception" in s) and not s.startswith("File "):
-            return s[-300:]
+        if "Warning" in line:
+            continue
+        m = _EXCEPTION_LINE.search(line)
+        if m:
+            return line[m.start():][:300]
     return None
+
+
+#: ``torch.OutOfMemoryError: CUDA out of memory`` -> matches from ``torch.``; ANSI colour codes never match.
+_EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): ")
 
 
 def _quote(s: str) -> str:
@@ -349,7 +350,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--sides", default="builtin,ours", help="which sides to run (default both)")
-    p.add_argument("--fast-sync", action="store_true", help="sgl-rollout side with the fast-path weight sync")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="longest run, seconds")
     p.add_argument("--out", metavar="DIR", help="run folder (default runs/verl-compare-<date>-<time>)")
     p.add_argument("--title", default="", help="title of the report")
@@ -397,11 +397,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     write_parquet(out / "data", n_train=2048, n_val=n_val)
-    diffs = differences(args.fast_sync)
+    diffs = differences()
     config = {
         "title": args.title, "model": str(model_dir), "random_weights": bool(args.random_model),
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
-        "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": args.fast_sync,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(_quote(a) for a in sys.argv), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),
@@ -418,7 +418,7 @@ def main(args: argparse.Namespace) -> int:
             if not data.exists():
                 data.symlink_to(out / "data", target_is_directory=True)
             cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
-                               args.gpu_memory_utilization, args.overrides, args.fast_sync)
+                               args.gpu_memory_utilization, args.overrides)
             print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
                   flush=True)
             info = run_side(side, pair, cmd, side_env(side, run_dir), run_dir, args.steps, args.timeout_s)

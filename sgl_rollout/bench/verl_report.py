@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
@@ -201,22 +202,29 @@ def _collect_phases(per_step: Dict[int, List[Tuple[str, float, Dict[str, float]]
 
 
 # ------------------------------------------------------------------------------------ one run
-def summarize_run(run_dir: Path) -> dict:
+def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     """Everything the report needs of one run folder.
 
+    Args:
+        run_dir: the run folder.
+        planned_steps: the configured training steps (``config.json``'s ``steps``); None: ``run.json``'s.
+
     Returns:
-        dict: ``side``, ``pair``, ``status`` (``"ok"``, ``"failed"`` with ``exit_code``/``error``, or
-        ``"missing"``), ``steps`` (training steps logged), ``planned_steps``, ``metrics`` (key ->
+        dict: ``side``, ``pair``, ``status`` (``"ok"``; ``"failed"`` when the exit code is not 0 or fewer
+        steps than planned were logged; ``"missing"``), ``exit_code`` (None: timed out or no ``run.json``),
+        ``error``, ``steps`` (training steps logged), ``planned_steps``, ``metrics`` (key ->
         ``{"median", "p90", "n", "values"}`` over steps after the first, for :data:`TIMING_KEYS` and
         :data:`MEMORY_KEYS`), ``reward`` and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
         (largest device memory in use on any GPU during the run, GB = 1e9 bytes),
-        ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, steps
-        after the first) with ``update_phase_order``, and ``per_step`` (step -> verl timings, for the plot).
+        ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, over the
+        steps of ``metrics``: not the first, nor the sync verl runs before training, step 0) with
+        ``update_phase_order``, and ``per_step`` (step -> verl timings, for the plot).
     """
     run_dir = Path(run_dir)
     info = _read_json(run_dir / "run.json")
     out: dict = {"dir": str(run_dir), "side": info.get("side"), "pair": info.get("pair"),
-                 "planned_steps": info.get("steps"), "exit_code": info.get("exit_code"),
+                 "planned_steps": planned_steps if planned_steps is not None else info.get("steps"),
+                 "exit_code": info.get("exit_code"),
                  "wall_s": info.get("wall_s"), "error": info.get("error")}
     metrics_path = run_dir / "metrics.jsonl"
     rows = load_metrics(metrics_path) if metrics_path.exists() else []
@@ -245,7 +253,7 @@ def summarize_run(run_dir: Path) -> dict:
     spans = load_spans(run_dir / "spans")
     by_step = steps_of(spans)
     update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
-    first = train[0]["step"] if train else None
+    later_steps = {r["step"] for r in later}
     per_step_phases = {}
     order: List[str] = []
     for step, ss in by_step.items():
@@ -259,7 +267,7 @@ def summarize_run(run_dir: Path) -> dict:
                 if n not in order:
                     order.append(n)
     out["update_phases_per_step"] = {str(k): v for k, v in per_step_phases.items()}
-    collected = _collect_phases({k: v for k, v in per_step_phases.items() if k != first})
+    collected = _collect_phases({k: v for k, v in per_step_phases.items() if k in later_steps})
     out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
     out["update_phase_order"] = order
     return out
@@ -320,10 +328,12 @@ def targets(builtin: dict, ours: dict, n_val: int) -> List[dict]:
 
 
 def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None, n_val: int = 128) -> dict:
-    """``comparison.json``'s content for the run folders of each pair (``{pair: {side: folder}}``)."""
+    """``comparison.json``'s content for the run folders of each pair (``{pair: {side: folder}}``); runs
+    are planned for ``config["steps"]`` steps where the config has them (:func:`summarize_run`)."""
+    planned = (config or {}).get("steps")
     pairs = []
     for pair in sorted(run_dirs):
-        runs = {side: summarize_run(path) for side, path in run_dirs[pair].items()}
+        runs = {side: summarize_run(path, planned) for side, path in run_dirs[pair].items()}
         entry = {"pair": pair, "runs": runs}
         if all(s in runs for s in SIDES):
             entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
@@ -337,14 +347,17 @@ def _f(v, spec=".3f", unit="") -> str:
 
 
 def _status(run: dict) -> str:
+    """The ``run`` cell: ``N steps``, ``not run``, or ``failed after K of N steps (exit C: error)`` (the
+    error line without terminal colours, its ``|`` escaped for the table)."""
     if run["status"] == "ok":
         return f"{run['steps']} steps"
     if run["status"] == "missing":
         return "not run"
     code = run.get("exit_code")
     why = f"exit {code}" if code not in (None, 0) else "stopped early"
-    err = f": {run['error']}" if run.get("error") else ""
-    return f"**failed** after {run['steps']} of {run.get('planned_steps') or '?'} steps ({why}{err})"
+    err = re.sub(r"\x1b\[[0-9;]*m", "", run.get("error") or "").strip().replace("|", "\\|")
+    err = f": {err}" if err else ""
+    return f"**failed after {run['steps']} of {run.get('planned_steps') or '?'} steps** ({why}{err})"
 
 
 def markdown(comparison: dict) -> str:

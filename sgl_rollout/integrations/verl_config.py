@@ -169,6 +169,13 @@ def check_verl_features(cfg, model_config=None, prefix: str = ROLLOUT_PREFIX) ->
     if _profiler_discrete(_get(cfg, "profiler", None)):
         refuse(f"{prefix}.profiler.tool_config.<tool>.discrete", True,
                "profiling the rollout engine is not wired in sgl-rollout", f"discrete=False, or {VERL_BUILTIN}")
+    ours = _get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None)
+    if ours:
+        refuse(f"{prefix}.engine_kwargs.sgl_rollout", dict(ours),
+               "through verl, weights reach the engine from the trainer workers as flattened buckets; the "
+               "fast-path sync (fast_sync) needs a persistent IPC buffer on the trainer side that sleep could not "
+               "free, and is not wired here",
+               "no engine_kwargs.sgl_rollout key (sgl_rollout.RolloutWorker takes RolloutConfig(fast_sync=True))")
     if model_config is not None and lora_as_adapter(model_config):
         model_prefix = MODEL_PREFIX if prefix == ROLLOUT_PREFIX else f"{prefix}.model"
         refuse(f"{model_prefix}.lora.merge", False,

@@ -1,0 +1,157 @@
+"""``python -m sgl_rollout.bench verl --report-only`` on recorded H100 run folders
+(``tests/fixtures/verl_compare``, see its README): the figures of ``comparison.json`` and
+``comparison.md`` against verl's own ``metrics.jsonl`` and the probe's spans read here independently,
+the plot, and runs that failed part-way or logged nothing."""
+
+import argparse
+import glob
+import json
+import math
+import shutil
+import statistics
+from pathlib import Path
+
+import pytest
+
+from sgl_rollout.bench import verl_compare, verl_report
+
+FIXTURES = Path(__file__).parent / "fixtures" / "verl_compare"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def report_only(tmp_path: Path, name: str, edit=None):
+    """Copy fixture ``name`` into ``tmp_path`` (then ``edit(copy)``) and run the command's
+    ``--report-only`` path on it."""
+    out = tmp_path / name
+    shutil.copytree(FIXTURES / name, out)
+    if edit is not None:
+        edit(out)
+    parser = argparse.ArgumentParser()
+    verl_compare.add_arguments(parser)
+    assert verl_compare.main(parser.parse_args(["--out", str(out), "--report-only"])) == 0
+    comp = json.loads((out / "comparison.json").read_text())
+    return comp, (out / "comparison.md").read_text(), out
+
+
+def later_values(run: Path, key: str) -> list:
+    """``key`` of the training steps after the first, straight from verl's file-logger lines
+    (``{"step": s, "data": {...}}``; a training step is one with a ``timing_s/step``)."""
+    by_step: dict = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        by_step.setdefault(rec["step"], {}).update(rec["data"])
+    train = sorted(s for s, d in by_step.items() if "timing_s/step" in d)
+    return [by_step[s][key] for s in train[1:]]
+
+
+def nearest_rank_p90(xs: list) -> float:
+    return sorted(xs)[math.ceil(0.9 * len(xs)) - 1]
+
+
+def span_median(run: Path, name: str, steps: set) -> float:
+    """Median seconds of the spans ``name`` inside the trainer's ``verl.update_weights`` of ``steps``."""
+    spans = [json.loads(line) for f in sorted(glob.glob(str(run / "spans" / "*.jsonl")))
+             for line in Path(f).read_text().splitlines()]
+    windows = [s for s in spans if s["name"] == "verl.update_weights" and s["step"] in steps]
+    assert len(windows) == len(steps)
+    return statistics.median(s["dt"] for w in windows for s in spans
+                             if s["name"] == name and w["t0"] <= s["t0"] <= w["t0"] + w["dt"])
+
+
+def run_row(md: str) -> list:
+    """Cells of the table's ``run`` row (one per side, then the ratio column)."""
+    row = next(line for line in md.splitlines() if line.startswith("| run |"))
+    return [c.strip() for c in row.strip("|").split(" | ")][1:]
+
+
+# ------------------------------------------------------------------------------------ a complete pair
+def test_medians_and_p90_are_verls_figures_over_the_steps_after_the_first(tmp_path):
+    comp, _md, out = report_only(tmp_path, "complete")
+    runs = comp["pairs"][0]["runs"]
+    assert set(runs) == {"builtin", "ours"}
+    for side in ("builtin", "ours"):
+        run, folder = runs[side], out / "pair1" / side
+        upd, gen = later_values(folder, "timing_s/update_weights"), later_values(folder, "timing_s/gen")
+        assert len(upd) == len(gen) == 3  # steps 2..4 of 4
+        assert run["metrics"]["timing_s/update_weights"]["median"] == statistics.median(upd)
+        assert run["metrics"]["timing_s/update_weights"]["n"] == 3
+        assert run["metrics"]["timing_s/gen"]["median"] == statistics.median(gen)
+        assert run["metrics"]["timing_s/gen"]["p90"] == nearest_rank_p90(gen)
+        assert (run["status"], run["exit_code"], run["steps"], run["planned_steps"]) == ("ok", 0, 4, 4)
+    # the two sides are different runs: a report that mixed them up would not pass both rounds above
+    assert runs["builtin"]["metrics"]["timing_s/update_weights"]["median"] \
+        != runs["ours"]["metrics"]["timing_s/update_weights"]["median"]
+
+
+def test_markdown_has_both_sides_figures_and_the_breakdown(tmp_path):
+    _comp, md, out = report_only(tmp_path, "complete")
+    b, o = out / "pair1" / "builtin", out / "pair1" / "ours"
+    assert run_row(md) == ["4 steps", "4 steps", ""]
+    for key in ("timing_s/update_weights", "timing_s/gen"):
+        bv, ov = later_values(b, key), later_values(o, key)
+        bm, om = statistics.median(bv), statistics.median(ov)
+        row = (f"| `{key}` | {bm:.3f} / {nearest_rank_p90(bv):.3f} | {om:.3f} / {nearest_rank_p90(ov):.3f} "
+               f"| {om / bm:.2f}x |")
+        assert row in md.splitlines()
+    assert "Where `timing_s/update_weights` goes" in md
+    # the breakdown covers the same steps as the medians (2..4), not the sync before training (step 0)
+    row = (f"| rollout.update_weights | {span_median(b, 'rollout.update_weights', {2, 3, 4}) * 1e3:.1f} "
+           f"| {span_median(o, 'rollout.update_weights', {2, 3, 4}) * 1e3:.1f} |")
+    assert row in md.splitlines()
+    assert "| ray: driver <-> trainer workers |" in md
+
+
+def test_plot_is_a_png(tmp_path):
+    _comp, _md, out = report_only(tmp_path, "complete")
+    assert (out / "comparison.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# ------------------------------------------------------------------------------------ runs that stopped early
+def test_a_run_that_failed_part_way_is_reported_not_raised(tmp_path):
+    comp, md, out = report_only(tmp_path, "failed")
+    builtin, ours = comp["pairs"][0]["runs"]["builtin"], comp["pairs"][0]["runs"]["ours"]
+    assert (ours["status"], ours["exit_code"], ours["steps"], ours["planned_steps"]) == ("failed", 1, 2, 4)
+    assert (builtin["status"], builtin["exit_code"], builtin["steps"]) == ("ok", 0, 4)
+    cells = run_row(md)
+    assert cells[0] == "4 steps"
+    assert "failed after 2 of 4 steps" in cells[1] and "exit 1: " in cells[1]
+    assert "UserWarning: megatron engine is not available" in cells[1]  # run.json's error, colours removed
+    assert "\x1b" not in md
+    # what it logged is still reported: its one step after the first
+    upd = later_values(out / "pair1" / "ours", "timing_s/update_weights")
+    assert len(upd) == 1 and ours["metrics"]["timing_s/update_weights"]["median"] == upd[0]
+    assert (out / "comparison.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_planned_steps_come_from_the_config_when_run_json_is_missing(tmp_path):
+    """The runner killed before it wrote ``run.json`` (e.g. the machine taken away): the run is not
+    called complete for the steps it logged."""
+    comp, md, _out = report_only(tmp_path, "failed", lambda out: (out / "pair1" / "ours" / "run.json").unlink())
+    ours = comp["pairs"][0]["runs"]["ours"]
+    assert (ours["status"], ours["exit_code"], ours["steps"], ours["planned_steps"]) == ("failed", None, 2, 4)
+    assert run_row(md)[1] == "**failed after 2 of 4 steps** (stopped early)"
+
+
+@pytest.mark.parametrize("metrics", ["empty", "missing"])
+def test_a_run_that_logged_no_step(tmp_path, metrics):
+    run = tmp_path / "out" / "pair1" / "ours"
+    run.mkdir(parents=True)
+    shutil.copy(FIXTURES / "failed" / "pair1" / "ours" / "run.json", run / "run.json")
+    if metrics == "empty":
+        (run / "metrics.jsonl").write_text("")
+    summary = verl_report.summarize_run(run)
+    assert (summary["status"], summary["steps"], summary["exit_code"]) == ("failed", 0, 1)
+    assert summary["metrics"] == {} and summary["update_phases"] == {} and summary["reward"] == []
+    builtin = tmp_path / "out" / "pair1" / "builtin"
+    shutil.copytree(FIXTURES / "complete" / "pair1" / "builtin", builtin)
+    config = json.loads((FIXTURES / "complete" / "config.json").read_text())
+    comp = verl_report.write_report(tmp_path / "out", {1: {"builtin": builtin, "ours": run}}, config)
+    assert comp["pairs"][0]["runs"]["ours"]["steps"] == 0
+    md = (tmp_path / "out" / "comparison.md").read_text()
+    assert "failed after 0 of 4 steps" in run_row(md)[1]
+    assert "| `timing_s/update_weights` | " in md and " | n/a / n/a | n/a |" in md
+
+
+def test_an_empty_run_folder_is_missing_with_no_steps(tmp_path):
+    summary = verl_report.summarize_run(tmp_path)
+    assert (summary["status"], summary["steps"], summary["exit_code"]) == ("missing", 0, None)
