@@ -115,7 +115,7 @@ def test_a_run_that_failed_part_way_is_reported_not_raised(tmp_path):
     cells = run_row(md)
     assert cells[0] == "4 steps"
     assert "failed after 2 of 4 steps" in cells[1] and "exit 1: " in cells[1]
-    assert "UserWarning: megatron engine is not available" in cells[1]  # run.json's error, colours removed
+    assert "torch.OutOfMemoryError: CUDA out of memory" in cells[1]  # run.json's error
     assert "\x1b" not in md
     # what it logged is still reported: its one step after the first
     upd = later_values(out / "pair1" / "ours", "timing_s/update_weights")
@@ -155,3 +155,15 @@ def test_a_run_that_logged_no_step(tmp_path, metrics):
 def test_an_empty_run_folder_is_missing_with_no_steps(tmp_path):
     summary = verl_report.summarize_run(tmp_path)
     assert (summary["status"], summary["steps"], summary["exit_code"]) == ("missing", 0, None)
+
+
+def test_a_coloured_error_with_a_pipe_does_not_break_the_table(tmp_path):
+    def colour(out):
+        p = out / "pair1" / "ours" / "run.json"
+        d = json.loads(p.read_text())
+        d["error"] = "\x1b[36m(WorkerDict pid=1)\x1b[0m ValueError: a | b"
+        p.write_text(json.dumps(d))
+
+    _, md, _ = report_only(tmp_path, "failed", colour)
+    cells = run_row(md)
+    assert "\x1b" not in md and "ValueError: a \\| b" in cells[1]

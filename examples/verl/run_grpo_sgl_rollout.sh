@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GRPO on GSM8K with verl, rollouts served by sgl-rollout.
-# `pip install sgl-rollout` registers the plugin: the config keeps rollout.name=sglang, and
+# `pip install -e .` from a clone of sgl-rollout registers the plugin: the config keeps rollout.name=sglang, and
 # VERL_USE_EXTERNAL_PLUGINS=none would switch back to verl's built-in SGLang rollout.
 # Check the install first: `python -m sgl_rollout doctor` must say verl resolves "sglang" to this package.
 set -euo pipefail

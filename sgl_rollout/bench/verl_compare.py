@@ -278,6 +278,13 @@ def last_error_line(log: Path) -> Optional[str]:
 _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): ")
 
 
+def argv_tail(argv: Sequence[str]) -> List[str]:
+    """The arguments after ``verl`` in ``argv`` (``python -m sgl_rollout.bench verl ...`` puts the
+    module's file first), so the report shows the command a user types."""
+    args = list(argv[1:])
+    return args[1:] if args[:1] == ["verl"] else args
+
+
 def _quote(s: str) -> str:
     import shlex
 
@@ -403,7 +410,7 @@ def main(args: argparse.Namespace) -> int:
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
-        "command": " ".join(_quote(a) for a in sys.argv), "verl": _version("verl"), "sglang": _version("sglang"),
+        "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),
     }
     config_path.write_text(json.dumps(config, indent=1) + "\n")

@@ -447,7 +447,7 @@ def plot(comparison: dict, path: Path) -> Optional[Path]:
     pairs = [p for p in comparison.get("pairs", []) if any(r.get("per_step") for r in p["runs"].values())]
     if not pairs:
         return None
-    fig, axes = plt.subplots(len(pairs), 2, figsize=(13, 4 * len(pairs)), squeeze=False)
+    fig, axes = plt.subplots(len(pairs), 2, figsize=(15, 4.5 * len(pairs)), squeeze=False)
     colors = plt.get_cmap("tab10").colors
     for row, entry in enumerate(pairs):
         ax, ax2 = axes[row]
@@ -477,11 +477,12 @@ def plot(comparison: dict, path: Path) -> Optional[Path]:
                 ax2.bar(xs2, vals, width, bottom=bottom2, color=colors[j % 10], hatch="" if side == "builtin" else "//",
                         edgecolor="black", linewidth=0.3, label=name if i == 0 or side == "ours" else None)
                 bottom2 = [b + v for b, v in zip(bottom2, vals)]
-        ax.set_title(f"pair {entry['pair']}: verl step phases (plain: built-in, hatched: sgl-rollout)")
+        ax.set_title(f"pair {entry['pair']}: verl step phases\n(plain: built-in, hatched: sgl-rollout)", fontsize=10)
         ax.set_xlabel("training step")
         ax.set_ylabel("seconds")
         ax.legend(fontsize=7, ncol=3)
-        ax2.set_title(f"pair {entry['pair']}: timing_s/update_weights by phase (plain: built-in, hatched: sgl-rollout)")
+        ax2.set_title(f"pair {entry['pair']}: timing_s/update_weights by phase\n(plain: built-in, hatched: sgl-rollout)",
+                      fontsize=10)
         ax2.set_xlabel("training step")
         ax2.set_ylabel("seconds")
         handles, labels = ax2.get_legend_handles_labels()
