@@ -106,6 +106,26 @@ def test_generators_are_timed_as_busy_spans(probe_dir):
     assert got["verl.get_per_tensor_param"]["dt"] >= 0
 
 
+def test_a_request_is_timed_at_its_first_item_even_if_never_closed(probe_dir):
+    # SGLang's non-streaming callers take one item of generate_request and drop the iterator
+    async def generate_request(obj):
+        await asyncio.sleep(0.02)
+        yield {"text": obj}
+        yield {"never": "taken"}
+
+    timed_request = verl_probe._agen_factory(generate_request, "sglang.generate_request", first_item=True)
+
+    async def call():
+        it = timed_request("hi")
+        first = await it.__anext__()
+        assert spans_in(probe_dir)[0]["name"] == "sglang.generate_request"  # written before the iterator ends
+        return first
+
+    assert asyncio.run(call()) == {"text": "hi"}
+    (span,) = spans_in(probe_dir)
+    assert 0.015 <= span["dt"] < 5 and not span.get("busy")
+
+
 def test_patch_keeps_verl_dispatch_marks_and_install_hooks_imports(probe_dir, tmp_path, monkeypatch):
     """verl's ``register`` marks (the worker group reads them) survive; a module imported after install()
     is patched by wrapt's post-import hook."""

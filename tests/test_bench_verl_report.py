@@ -167,3 +167,34 @@ def test_a_coloured_error_with_a_pipe_does_not_break_the_table(tmp_path):
     _, md, _ = report_only(tmp_path, "failed", colour)
     cells = run_row(md)
     assert "\x1b" not in md and "ValueError: a \\| b" in cells[1]
+
+
+def test_gen_breakdown_splits_each_step_between_two_weight_updates():
+    def span(name, t0, dt, pid=1, **kw):
+        return {"name": name, "t0": t0, "dt": dt, "pid": pid, "rank": 0, **kw}
+
+    spans = [span("verl.update_weights", 10.0, 0.5, step=0), span("verl.update_weights", 30.0, 0.5, step=1),
+             # another trainer rank's update: not the lead's, not a window
+             span("verl.update_weights", 10.0, 0.6, pid=2, rank=1, step=0)]
+    # step 1: requests from 11.0, the last answered at 12.4; then verl's agent loop, then the sleep at 13.0
+    spans += [span("sglang.generate_request", 11.0 + 0.1 * i, 1.0 + 0.1 * i, pid=9) for i in range(3)]
+    spans += [span("replica.sleep", 13.0, 0.25, pid=5)]
+    # step 2's single request, no sleep recorded
+    spans += [span("sglang.generate_request", 31.5, 0.75, pid=9)]
+    got = verl_report.gen_breakdown(spans)
+    assert sorted(got) == [1, 2]
+    phases = {name: (secs, kids) for name, secs, kids in got[1]}
+    assert phases["gen: update end -> first request"][0] == pytest.approx(0.5)
+    secs, kids = phases["gen: first request -> last answer"]
+    assert secs == pytest.approx(1.4) and kids == {"requests": 3.0, "request median": pytest.approx(1.1)}
+    assert phases["gen: last answer -> replica.sleep"][0] == pytest.approx(0.6)
+    assert phases["gen: replica.sleep"][0] == pytest.approx(0.25)
+    assert [name for name, _s, _k in got[2]] == ["gen: update end -> first request", "gen: first request -> last answer"]
+    assert got[2][0][1] == pytest.approx(1.0)
+
+
+def test_a_run_without_request_spans_has_no_gen_table(tmp_path):
+    comp, md, _out = report_only(tmp_path, "complete")
+    for run in comp["pairs"][0]["runs"].values():
+        assert run["gen_phases"] == {} and run["gen_phase_order"] == []
+    assert "Where `timing_s/gen` goes" not in md

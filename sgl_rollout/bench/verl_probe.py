@@ -30,9 +30,11 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   SGLang's ``TokenizerCommunicatorMixin`` coroutines (``sglang.resume[<tags>]``, ``sglang.release[...]``,
   ``sglang.update_weights_from_tensor``, ``sglang.flush_cache``) and this package's server methods
   (``server.*``);
+* the engine's process, per request: SGLang's ``TokenizerManager.generate_request`` until its answer
+  (``sglang.generate_request``; both sides call it once per request and take the first item);
 * the driver (verl's TaskRunner): ``RolloutReplica.sleep`` (``replica.sleep``, inside ``timing_s/gen``).
 
-:mod:`.verl_report` turns the spans into the per-phase breakdown.
+:mod:`.verl_report` turns the spans into the per-phase breakdowns of ``update_weights`` and ``gen``.
 """
 
 from __future__ import annotations
@@ -223,11 +225,28 @@ def _gen_result(name: str) -> Callable[[Any], Any]:
     return wrap
 
 
-def _agen_factory(fn: Callable, name: str) -> Callable:
-    """A function returning ``fn(...)``'s async iterator timed as busy ``name``."""
+async def _first_item_aiter(ait, name: str):
+    """Yield from ``ait``; emit one span when its first item arrives: wall seconds from the first ``next``.
+
+    For a request whose caller takes one item and drops the iterator (SGLang's non-streaming
+    ``generate_request``), the span is the request's time and is written at once, not at garbage
+    collection."""
+    t0, c0, first = time.time(), time.perf_counter(), True
+    async for item in ait:
+        if first:
+            emit(name, t0, time.perf_counter() - c0)
+            first = False
+        yield item
+
+
+def _agen_factory(fn: Callable, name: str, first_item: bool = False) -> Callable:
+    """A function returning ``fn(...)``'s async iterator timed as busy ``name`` (``first_item``: as
+    :func:`_first_item_aiter`)."""
+    timer = _first_item_aiter if first_item else _timed_aiter
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        return _timed_aiter(fn(*args, **kwargs).__aiter__(), name)
+        return timer(fn(*args, **kwargs).__aiter__(), name)
     wrapper._sgl_rollout_probe = True
     return wrapper
 
@@ -242,7 +261,7 @@ def _stage_of(args, kwargs) -> str:
 
 
 #: (module, attribute path, how): what :func:`install` wraps. ``how`` is a dict of :func:`timed`'s
-#: arguments, or ``{"agen": name}`` for a module-level async-generator function.
+#: arguments, or ``{"agen": name, "first_item"?: bool}`` for an async-generator function or method.
 TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # driver (TaskRunner): the replicas' sleep at the end of timing_s/gen
     ("verl.workers.rollout.replica", "RolloutReplica.sleep", dict(name="replica.sleep")),
@@ -281,6 +300,9 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.flush_cache",
      dict(name="sglang.flush_cache")),
     ("sgl_rollout.ray", "RolloutServer.sleep", dict(name="server.sleep")),
+    # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
+    ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
+     {"agen": "sglang.generate_request", "first_item": True}),
     ("sgl_rollout.ray", "RolloutServer.resume_stage", dict(name="server.resume", name_of=_stage_of)),
     ("sgl_rollout.ray", "RolloutServer.begin_weight_sync", dict(name="server.begin_weight_sync")),
     ("sgl_rollout.ray", "RolloutServer.update_weights_from_payloads", dict(name="server.update_weights_from_payloads")),
@@ -300,7 +322,7 @@ def _patch(module, path: str, how: Dict[str, Any]) -> bool:
     if fn is None or not callable(fn):
         return False
     if "agen" in how:
-        new = _agen_factory(fn, how["agen"])
+        new = _agen_factory(fn, how["agen"], first_item=how.get("first_item", False))
     else:
         new = timed(fn, **how)
     setattr(owner, attr, new)

@@ -9,7 +9,8 @@ may be missing or cut short: a run that failed part-way is reported as such, wit
 Statistics are over the training steps after the first (the first step pays one-time costs: CUDA-graph
 warm-up, the first optimizer state, the weight manifest): the median and the 90th percentile (the
 nearest-rank value). Weight-update phases come from one trainer process (TP rank 0 of replica 0): the
-spans inside its ``verl.update_weights`` window, see :func:`update_breakdown`.
+spans inside its ``verl.update_weights`` window, see :func:`update_breakdown`; generation phases from
+SGLang's per-request spans between two updates, see :func:`gen_breakdown`.
 """
 
 from __future__ import annotations
@@ -191,6 +192,53 @@ def steps_of(spans: List[dict]) -> Dict[int, List[dict]]:
     return out
 
 
+#: SGLang's own time of one request on both sides (the probe's span of the tokenizer manager's
+#: ``generate_request``, ended by its answer).
+GEN_REQUEST = "sglang.generate_request"
+
+
+def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[str, float]]]]:
+    """Where each step's generation goes, from the per-request spans of the rollout's process.
+
+    verl 0.9.1 updates the rollout's weights at the end of a step (``ray_trainer.py``), so training step
+    ``k`` generates between the lead trainer's ``verl.update_weights`` span of step ``k - 1`` and that of
+    step ``k``. Inside that window (seconds):
+
+    * ``gen: update end -> first request``: verl's own (the next batch, the agent-loop workers'
+      dispatch); ``timing_s/gen`` starts inside it;
+    * ``gen: first request -> last answer``: the rollout serving the step's requests
+      (``{"requests": n, "request median": s}`` as children);
+    * ``gen: last answer -> replica.sleep``: verl's agent loop turning answers into a batch;
+    * ``gen: replica.sleep``: the slowest replica's sleep (the end of ``timing_s/gen``).
+
+    Returns:
+        step -> ``[(phase, seconds, {child: value})]``; a step without request spans is left out.
+    """
+    lead = steps_of(spans)
+    updates = {step: ss[0] for step, ss in lead.items()}
+    requests = [s for s in spans if s["name"] == GEN_REQUEST]
+    sleeps = [s for s in spans if s["name"] == "replica.sleep"]
+    out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
+    for prev_step, w in sorted(updates.items()):
+        t0 = _end(w)
+        nxt = updates.get(prev_step + 1)
+        t1 = nxt["t0"] if nxt is not None else math.inf
+        reqs = [s for s in requests if t0 <= s["t0"] < t1]
+        if not reqs:
+            continue
+        first, last = min(s["t0"] for s in reqs), max(_end(s) for s in reqs)
+        phases = [("gen: update end -> first request", first - t0, {}),
+                  ("gen: first request -> last answer", last - first,
+                   {"requests": float(len(reqs)), "request median": med([s["dt"] for s in reqs])})]
+        after = [s for s in sleeps if last <= s["t0"] < t1]
+        if after:
+            start = min(s["t0"] for s in after)
+            phases.append(("gen: last answer -> replica.sleep", start - last, {}))
+            phases.append(("gen: replica.sleep", max(_end(s) for s in after) - start, {}))
+        out[prev_step + 1] = phases
+    return out
+
+
 def _collect_phases(per_step: Dict[int, List[Tuple[str, float, Dict[str, float]]]]) -> Dict[str, List[float]]:
     out: Dict[str, List[float]] = {}
     for _step, phases in sorted(per_step.items()):
@@ -218,7 +266,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         (largest device memory in use on any GPU during the run, GB = 1e9 bytes),
         ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, over the
         steps of ``metrics``: not the first, nor the sync verl runs before training, step 0) with
-        ``update_phase_order``, and ``per_step`` (step -> verl timings, for the plot).
+        ``update_phase_order``, ``gen_phases`` with ``gen_phase_order`` (the same for
+        :func:`gen_breakdown`, over the same steps), and ``per_step`` (step -> verl timings, for the plot).
     """
     run_dir = Path(run_dir)
     info = _read_json(run_dir / "run.json")
@@ -270,6 +319,10 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     collected = _collect_phases({k: v for k, v in per_step_phases.items() if k in later_steps})
     out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
     out["update_phase_order"] = order
+    gen = {k: v for k, v in gen_breakdown(spans).items() if k in later_steps}
+    out["gen_phase_order"] = [name for phases in gen.values() for name, _s, _k in phases]
+    out["gen_phase_order"] = list(dict.fromkeys(out["gen_phase_order"]))
+    out["gen_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in _collect_phases(gen).items()}
     return out
 
 
@@ -426,6 +479,24 @@ def markdown(comparison: dict) -> str:
                     v = runs[s].get("update_phases", {}).get(n, {}).get("median")
                     cells.append(_f(None if v is None else v * 1e3, ".1f"))
                 lines.append(f"| {n} | " + " | ".join(cells) + " |")
+            lines.append("")
+        gen_names = list(dict.fromkeys(n for s in cols for n in runs[s].get("gen_phase_order", [])))
+        if gen_names:
+            lines.append("Where `timing_s/gen` goes (median over steps after the first; ms, request counts as "
+                         "numbers; the first phase starts before verl's `gen` timer):")
+            lines.append("")
+            lines.append("| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |")
+            lines.append("| --- | " + " | ".join("---:" for _ in cols) + " |")
+            for n in gen_names:
+                kids = list(dict.fromkeys(k.split(" / ", 1)[1] for s in cols for k in runs[s].get("gen_phases", {})
+                                          if k.startswith(n + " / ")))
+                for label in [n] + [f"{n} / {k}" for k in kids]:
+                    cells = []
+                    for s in cols:
+                        v = runs[s].get("gen_phases", {}).get(label, {}).get("median")
+                        scale = 1.0 if label.endswith(" / requests") else 1e3
+                        cells.append(_f(None if v is None else v * scale, ".1f" if scale > 1 else ".0f"))
+                    lines.append(f"| {label} | " + " | ".join(cells) + " |")
             lines.append("")
     return "\n".join(lines) + "\n"
 
