@@ -234,6 +234,29 @@ def device_memory(device: Optional[int] = None) -> Tuple[int, int]:
     return torch.cuda.mem_get_info(device)
 
 
+def gpu_used_bytes(gpu_ids: Sequence[int], nvml=None) -> Dict[int, int]:
+    """Device memory in use on each of ``gpu_ids`` (physical ids of this host), all processes, from NVML.
+
+    A replica's report per node (:meth:`sgl_rollout.ray.RolloutServer.memory_by_node`) is made of these:
+    ``torch.cuda.mem_get_info`` sees only this process's current device, NVML every GPU of the host.
+
+    Args:
+        gpu_ids: NVML device indices (the physical ids ``CUDA_VISIBLE_DEVICES`` names).
+        nvml: the ``pynvml`` module or a double; None imports ``pynvml``.
+
+    Returns:
+        ``{gpu_id: used_bytes}``; empty where NVML cannot be used (no driver, no ``pynvml``).
+    """
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+        return {int(g): int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(int(g))).used)
+                for g in gpu_ids}
+    except Exception:  # noqa: BLE001 - a report without figures beats a failed sleep
+        return {}
+
+
 def freeze_long_lived(collect: bool = True) -> int:
     """Move every object alive now out of the garbage collector's reach (``gc.freeze()``), so later
     full collections traverse only what was created afterwards.

@@ -13,6 +13,11 @@
   belong to the colocated trainer workers).
 * :func:`sync_weights_from_workers` drives a weight sync where every TP rank's payload comes from a
   different trainer worker (each on its own GPU), bucket by bucket.
+* :func:`launch_replica` lays a replica over several nodes
+  (:class:`~sgl_rollout.engine.layout.ReplicaLayout`): the leader :class:`RolloutServer` (node rank 0,
+  SGLang's tokenizer manager, every call) and a :class:`NodeEngineHost` on each other node (SGLang's
+  schedulers of that node's TP ranks). The leader starts, watches, restarts and stops them; why per-node
+  engine processes and not SGLang's ``RayEngine``: :class:`NodeEngineHost`.
 
 CUDA IPC handles carry the device UUID (:mod:`sgl_rollout.weight_sync.ipc`), so a trainer worker that
 sees its GPU as ``cuda:0`` and a scheduler that sees the same GPU as ``cuda:1`` agree.
@@ -91,14 +96,65 @@ class RolloutServer:
         # on it) instead of raising EngineDeadError. An async actor runs outside the main thread, so
         # SIGQUIT is ignored here and deaths are found by the engine's watchdog.
         self.sigquit_handled = install_sigquit_handler()
+        # a replica over several nodes (start(layout, node_hosts)): the layout, the other nodes' hosts, their watch
+        self.layout = None
+        self.node_hosts: list = []
+        self.node_timeline: List[dict] = []
+        self._node_watch = None
 
-    async def start(self) -> List[str]:
+    def _leader_config(self) -> RolloutConfig:
+        """The config with this node's part of :attr:`layout` (SGLang's ``nnodes``, ``node_rank``,
+        ``dist_init_addr``, ports) in ``engine_kwargs``; the port block is moved off ports in use here."""
+        import ray
+
+        from .engine.layout import port_is_free
+
+        self.layout = self.layout.first_free_block(port_is_free)
+        self._leader_host = ray.util.get_node_ip_address()
+        kwargs = {**self.config.engine_kwargs, **self.layout.engine_kwargs(0, self._leader_host)}
+        kwargs.pop("tp_size")  # the config's tensor_model_parallel_size
+        return self.config.model_copy(update={"engine_kwargs": kwargs})
+
+    def _start_nodes(self) -> list:
+        """Start the other nodes' engine processes (they wait for the leader's); their refs."""
+        return [h.start.remote(self.layout, self._leader_host) for h in self.node_hosts]
+
+    async def _await_nodes(self, refs: list) -> None:
+        """Wait for the other nodes' starts; on a failure stop them all and re-raise it."""
+        import asyncio
+
+        results = await asyncio.gather(*refs, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await self._stop_nodes()
+            raise RuntimeError(f"a node of this replica failed to start its engine: {failed[0]!r}") from failed[0]
+
+    async def _stop_nodes(self) -> None:
+        import asyncio
+
+        if self._node_watch is not None:
+            self._node_watch.cancel()
+            self._node_watch = None
+        await asyncio.gather(*[h.stop.remote() for h in self.node_hosts], return_exceptions=True)
+
+    async def start(self, layout=None, node_hosts: Sequence = ()) -> List[str]:
         """Start the engine in this actor (blocks the actor for the engine's start-up); returns its tags.
+
+        Args:
+            layout: for a replica over several nodes, its
+                :class:`~sgl_rollout.engine.layout.ReplicaLayout`: this actor is its leader (node rank 0)
+                and uses the layout's ports (a single-node layout only gives the ports).
+            node_hosts: the :class:`NodeEngineHost` actors of node ranks 1, 2, ...; their engine
+                processes are started at the same time as this one's (SGLang forms the TP group across
+                them), then watched: a dead node makes this engine raise
+                :class:`~sgl_rollout.engine.EngineDeadError` (see :meth:`_watch_nodes`).
 
         Idempotent: a second call returns the running engine's tags and starts nothing.
 
         Raises:
             EngineClosedError: the engine was shut down.
+            ValueError: not one host per node other than the leader.
+            RuntimeError: a node failed to start (every node's processes are stopped).
         """
         from .engine import RolloutEngine
         from .worker import RolloutWorker
@@ -106,17 +162,82 @@ class RolloutServer:
         if self.worker is not None:
             self.worker.engine.check_alive()
             return list(self.worker.engine.tags)
-        engine = RolloutEngine(self.config, engine_factory=self.engine_factory)
-        self.worker = RolloutWorker(self.config, engine=engine)
+        if layout is not None:
+            if len(node_hosts) != layout.nnodes - 1:
+                raise ValueError(f"{len(node_hosts)} node hosts for a replica over {layout.nnodes} nodes")
+            self.layout, self.node_hosts = layout, list(node_hosts)
+        config, refs = self.config, []
+        if self.layout is not None:
+            config = self._leader_config()
+            refs = self._start_nodes()
+        try:
+            engine = RolloutEngine(config, engine_factory=self.engine_factory)
+        except BaseException:
+            await self._stop_nodes()
+            raise
+        self.worker = RolloutWorker(config, engine=engine)
+        await self._await_nodes(refs)
+        self._watch_nodes()
         return list(self.worker.engine.tags)
 
     async def restart(self) -> List[str]:
         """Start a fresh engine after :class:`~sgl_rollout.engine.EngineDeadError` (blocks the actor
-        for the start-up); sync weights before generating. Returns the tags."""
+        for the start-up); sync weights before generating. Returns the tags. A replica over several
+        nodes restarts on every node (the other nodes' processes are stopped first)."""
         if self.worker is None:
             return await self.start()
+        refs = []
+        if self.node_hosts:
+            self.worker.engine.fail("restart of the whole replica")
+            await self._stop_nodes()
+            refs = self._start_nodes()
         self.worker.restart()
+        await self._await_nodes(refs)
+        self._watch_nodes()
         return list(self.worker.engine.tags)
+
+    def _watch_nodes(self, interval_s: float = 1.0) -> None:
+        """Ask every other node's host every ``interval_s`` seconds whether its engine processes live; when
+        one does not (or its actor is gone) fail this engine (:meth:`RolloutEngine.fail`): its calls in
+        flight and after raise EngineDeadError within about ``interval_s`` instead of hanging in a
+        collective that waits for the dead node."""
+        import asyncio
+
+        if not self.node_hosts:
+            return
+        engine = self.worker.engine
+
+        async def watch():
+            while engine.alive:
+                for rank, host in enumerate(self.node_hosts, start=1):
+                    try:
+                        problem = await asyncio.wait_for(host.status.remote(), timeout=max(5.0, 5 * interval_s))
+                    except Exception as exc:  # noqa: BLE001 - an unreachable node is a dead one
+                        problem = f"its host actor is unreachable: {type(exc).__name__}: {exc}"
+                    if problem is not None:
+                        engine.fail(f"node {rank} of the replica: {problem}")
+                        return
+                await asyncio.sleep(interval_s)
+
+        self._node_watch = asyncio.get_running_loop().create_task(watch())
+
+    async def memory_by_node(self, phase: Optional[str] = None) -> Dict[int, Dict[int, int]]:
+        """Device memory in use (bytes, NVML, all processes) on every GPU of every node of the replica:
+        ``{node_rank: {gpu_id: used_bytes}}``; with ``phase``, also appended to :attr:`node_timeline`
+        as ``{"phase", "nodes"}``. A node whose host cannot answer reports ``{}``."""
+        import asyncio
+
+        from .memory import gpu_used_bytes
+
+        gpus = self.layout.leader.gpu_ids if self.layout is not None else [
+            int(d) for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        out = {0: gpu_used_bytes(gpus)}
+        others = await asyncio.gather(*[h.memory.remote() for h in self.node_hosts], return_exceptions=True)
+        for rank, mem in enumerate(others, start=1):
+            out[rank] = {} if isinstance(mem, BaseException) else mem
+        if phase is not None:
+            self.node_timeline.append({"phase": phase, "nodes": out})
+        return out
 
     @property
     def _engine(self):
@@ -145,7 +266,10 @@ class RolloutServer:
         """Release per ``sleep_level`` (nothing when ``free_cache_engine`` is False)."""
         if not self.config.free_cache_engine:
             return []
-        return await self._engine.async_release(self.worker.release_tags())
+        tags = await self._engine.async_release(self.worker.release_tags())
+        if self.layout is not None:  # one node: the worker's timeline has it, without NVML's cost here
+            await self.memory_by_node("sleep")
+        return tags
 
     async def release(self, tags: Optional[List[str]] = None) -> List[str]:
         """Release exactly ``tags`` (None: all); refuses invalid transitions."""
@@ -167,7 +291,12 @@ class RolloutServer:
             raise ValueError(f"unknown stage {stage!r}; use 'weights' or 'kv_cache'")
         released = set(self._engine.state.released)
         tags = [t for t in tags if t in released]
-        return await self._engine.async_resume(tags) if tags else []
+        if not tags:
+            return []
+        tags = await self._engine.async_resume(tags)
+        if self.layout is not None:
+            await self.memory_by_node(f"resume_{stage}")
+        return tags
 
     async def wake_up(self) -> List[str]:
         """Resume everything released, weights first."""
@@ -217,9 +346,104 @@ class RolloutServer:
         self.global_steps = global_steps
 
     async def shutdown(self) -> None:
-        """Stop the engine's processes."""
+        """Stop the engine's processes; for a replica over several nodes this node's first, then the
+        others' (stopped the other way round, the leader's scheduler sees its peers' connections reset
+        and logs an error)."""
         if self.worker is not None:
             self.worker.shutdown()
+        await self._stop_nodes()
+
+
+class NodeEngineHost:
+    """Ray actor body hosting the engine process of one node other than the leader (node rank >= 1) of a
+    replica that spans nodes: SGLang's schedulers of that node's TP ranks, no tokenizer manager.
+
+    Why per-node engine processes under one Ray actor per node, and not SGLang's ``RayEngine``
+    (``sglang/srt/ray/engine.py``, schedulers as Ray actors): the processes of every node are then started,
+    watched and ended by the same code as a single-node engine's (:class:`~sgl_rollout.engine.lifecycle.EngineProcesses`:
+    the environment for torch-memory-saver and the TP imbalance switch, SIGQUIT containment, only the
+    engine's own children killed), the staged wake and the guards stay in the leader's
+    :class:`~sgl_rollout.engine.RolloutEngine` unchanged, and a node's death is seen as a process exit
+    there rather than as a Ray actor error inside SGLang's own launcher.
+
+    Every call into SGLang (generate, release, resume, weight sync) goes to the leader
+    (:class:`RolloutServer`); SGLang's scheduler on node 0 passes it to every TP rank. This actor starts,
+    reports and stops. Created by :func:`launch_replica`.
+
+    Args:
+        config: rollout settings (as the leader's), or a dict of them.
+        node_rank: SGLang's ``node_rank`` of this node (>= 1).
+
+    Attributes:
+        engine_factory: as :attr:`RolloutServer.engine_factory`.
+    """
+
+    engine_factory = None
+
+    def __init__(self, config, node_rank: int):
+        from .engine import install_sigquit_handler
+
+        if node_rank < 1:
+            raise ValueError(f"node_rank {node_rank}: node 0 is the leader's RolloutServer")
+        self.config = config if isinstance(config, RolloutConfig) else RolloutConfig(**config)
+        self.node_rank = node_rank
+        self.layout = None
+        self._procs = None
+        self._dead: Optional[str] = "not started"
+        self.sigquit_handled = install_sigquit_handler()
+
+    async def start(self, layout, leader_host: str) -> List[int]:
+        """Start this node's engine process with SGLang's ``node_rank``; returns when SGLang's schedulers on
+        this node are up, which needs the leader's engine to start at the same time. Returns their pids.
+
+        Raises:
+            RuntimeError: already running; or SGLang's own error (its processes are killed).
+        """
+        from .engine.lifecycle import EngineProcesses, engine_env_updates
+
+        if self._procs is not None and self._dead is None:
+            raise RuntimeError(f"node {self.node_rank}'s engine is already running")
+        factory = self.engine_factory
+        if factory is None:
+            from sglang.srt.entrypoints.engine import Engine as factory  # noqa: N813
+        server_args = self.config.to_server_args()
+        server_args.update(layout.engine_kwargs(self.node_rank, leader_host))
+        env = engine_env_updates(disable_tp_imbalance_check=True)
+        env.update(layout.node_env(self.node_rank))
+        self.layout = layout
+        self._dead = None
+        self._procs = EngineProcesses(factory, server_args, env, on_death=self._on_death)
+        return self._procs.child_pids
+
+    def _on_death(self, reason: str) -> None:
+        self._dead = reason
+        self._procs.stop()
+
+    async def status(self) -> Optional[str]:
+        """None while this node's engine processes live; else why not (``"not started"``, ``"stopped"``,
+        or which processes exited)."""
+        return self._dead
+
+    async def memory(self) -> Dict[int, int]:
+        """``{gpu_id: used_bytes}`` of this node's GPUs of the replica (NVML; ``{}`` without it)."""
+        from .memory import gpu_used_bytes
+
+        return gpu_used_bytes(self.layout.nodes[self.node_rank].gpu_ids) if self.layout is not None else {}
+
+    async def child_pids(self) -> List[int]:
+        """Pids of this node's engine processes (its schedulers)."""
+        return self._procs.child_pids if self._procs is not None else []
+
+    async def stop(self) -> None:
+        """End this node's engine processes (idempotent)."""
+        if self._procs is not None:
+            self._procs.stop()
+        if self._dead is None:
+            self._dead = "stopped"
+
+    async def shutdown(self) -> None:
+        """Same as :meth:`stop` (the name verl's replica calls)."""
+        await self.stop()
 
 
 def launch_rollout_server(config: RolloutConfig, cuda_visible_devices: str, node_id: Optional[str] = None,
@@ -251,6 +475,46 @@ def launch_rollout_server(config: RolloutConfig, cuda_visible_devices: str, node
 
         opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
     return ray.remote(actor_cls).options(**opts).remote(config.model_dump())
+
+
+def launch_replica(config: RolloutConfig, layout, node_ids: Sequence[str], name: Optional[str] = None,
+                   max_concurrency: int = 1000, actor_cls=RolloutServer, host_cls=None):
+    """Create the actors of one replica laid out as ``layout`` (not yet started).
+
+    Start it with ``leader.start.remote(layout, hosts)``: the leader starts the other nodes' engines
+    with its own. Every call then goes to the leader.
+
+    Args:
+        config: rollout settings.
+        layout: the replica's :class:`~sgl_rollout.engine.layout.ReplicaLayout`.
+        node_ids: Ray node id of each node rank of the replica (``len == layout.nnodes``).
+        name: Ray actor name of the leader; the host of node rank ``k`` is named ``f"{name}_node{k}"``.
+        max_concurrency: concurrent calls the leader accepts.
+        actor_cls: the leader's body (:class:`RolloutServer` or a subclass).
+        host_cls: the other nodes' body (:class:`NodeEngineHost` by default, or a subclass).
+
+    Returns:
+        ``(leader, hosts)``: Ray ActorHandles; ``hosts[k - 1]`` runs on node rank ``k``.
+
+    Raises:
+        ValueError: not one node id per node of the layout.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if len(node_ids) != layout.nnodes:
+        raise ValueError(f"{len(node_ids)} node ids for a replica over {layout.nnodes} nodes")
+    leader = launch_rollout_server(config, layout.leader.cuda_visible_devices, node_id=node_ids[0], name=name,
+                                   max_concurrency=max_concurrency, actor_cls=actor_cls)
+    hosts = []
+    for slot in layout.nodes[1:]:
+        opts: Dict[str, Any] = dict(
+            num_gpus=0, runtime_env={"env_vars": rollout_env_vars(slot.cuda_visible_devices)},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_ids[slot.node_rank], soft=False))
+        if name:
+            opts["name"] = f"{name}_node{slot.node_rank}"
+        hosts.append(ray.remote(host_cls or NodeEngineHost).options(**opts).remote(config.model_dump(), slot.node_rank))
+    return leader, hosts
 
 
 def sync_weights_from_workers(server, workers: Sequence, prepare: str = "next_weight_payload",

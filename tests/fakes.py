@@ -23,7 +23,7 @@ def _plain_request_objects():
     them, in whichever process (a Ray actor's too) builds the double."""
     import types
 
-    import sgl_rollout.engine as engine_mod
+    import sgl_rollout.engine.guarded as engine_mod
 
     try:
         import sglang.srt.managers.io_struct  # noqa: F401
@@ -278,3 +278,18 @@ def hf_sample(model, prompt, sampling_params, generator):
                 finish = "stop"
                 break
     return ids[len(prompt):], lps, finish
+
+
+class FakeNodeEngine:
+    """``sglang.Engine`` double for a node other than the leader (``node_rank >= 1``): like SGLang's with
+    ``SGLANG_BLOCK_NONZERO_RANK_CHILDREN=0``, it has no tokenizer manager, only its schedulers (one real
+    child process here)."""
+
+    def __init__(self, **server_args):
+        self.server_args = server_args
+        self.env_at_start = dict(os.environ)
+        self.scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def shutdown(self):
+        raise AssertionError("SGLang's Engine.shutdown kills every child of the host; it must not be called")

@@ -15,7 +15,7 @@ def test_async_guards_and_calls(monkeypatch):
     # objects only carry fields here.
     import types
 
-    import sgl_rollout.engine as engine_mod
+    import sgl_rollout.engine.guarded as engine_mod
 
     monkeypatch.setattr(engine_mod, "_req", lambda name, **fields: types.SimpleNamespace(**fields))
     eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine)

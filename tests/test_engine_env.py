@@ -94,7 +94,7 @@ def test_a_child_whose_pid_was_reused_is_neither_killed_nor_taken_for_alive():
     process, and the watchdog must see the child as dead."""
     import psutil
 
-    from sgl_rollout.engine import _dead_pids, _kill_trees
+    from sgl_rollout.engine.lifecycle import dead_pids, kill_trees
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -102,10 +102,10 @@ def test_a_child_whose_pid_was_reused_is_neither_killed_nor_taken_for_alive():
         # the handle the engine took of its own child, which had this pid earlier and exited since
         stale._ident = (other.pid, stale.create_time() - 100.0)
         assert not stale.is_running()
-        _kill_trees([stale], timeout_s=2)
+        kill_trees([stale], timeout_s=2)
         assert other.poll() is None  # the process that now has the pid still runs
-        assert _dead_pids([stale]) == [other.pid]
-        assert _dead_pids([psutil.Process(other.pid)]) == []
+        assert dead_pids([stale]) == [other.pid]
+        assert dead_pids([psutil.Process(other.pid)]) == []
     finally:
         other.kill()
         other.wait()

@@ -71,7 +71,7 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from ..config import RolloutConfig, check_tp_layout, model_heads
 from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
-from ..ray import RolloutServer, launch_rollout_server, merge_visible_devices
+from ..ray import NodeEngineHost, RolloutServer, launch_replica, launch_rollout_server, merge_visible_devices
 from ..weight_sync import BucketStream
 from ..weight_sync import lora as lora_sync
 from .verl_config import (
@@ -295,11 +295,7 @@ class VerlRolloutServer(RolloutServer):
         """Local model folder on this node, its context length, FP8 overrides (once)."""
         if self._model_resolved:
             return
-        local_path, hf_config = resolve_local_model(self._model_config)
-        if local_path:
-            self.config.model_path = local_path
-        if self.config.engine_kwargs.get("quantization") == "fp8" and hf_config is not None:
-            self.config.engine_kwargs = with_fp8_override(self.config.engine_kwargs, hf_config)
+        hf_config = _localize(self.config, self._model_config)
         limit = max_position_embeddings(hf_config)
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -308,8 +304,10 @@ class VerlRolloutServer(RolloutServer):
                              f"max_position_embeddings={limit}; lower it or leave it null")
         self._model_resolved = True
 
-    async def start(self) -> List[str]:
-        """Resolve the model's local folder on this node (hdfs copy, ``use_shm``), then start the engine.
+    async def start(self, layout=None, node_hosts=()) -> List[str]:
+        """Resolve the model's local folder on this node (hdfs copy, ``use_shm``), then start the engine
+        (with the other nodes' for a replica over several nodes: ``layout`` and ``node_hosts`` as in
+        :meth:`RolloutServer.start`).
 
         Idempotent, as :meth:`RolloutServer.start`.
 
@@ -318,7 +316,7 @@ class VerlRolloutServer(RolloutServer):
         """
         if self.worker is None:
             self._resolve_model()
-        return await super().start()
+        return await super().start(layout, node_hosts)
 
     async def model_path(self) -> str:
         """The model folder the engine was started with."""
@@ -566,8 +564,32 @@ class VerlRolloutServer(RolloutServer):
 
 
 # ======================================================================= replica
+class VerlNodeHost(NodeEngineHost):
+    """:class:`~sgl_rollout.ray.NodeEngineHost` that also answers the calls verl's replica makes on every
+    server of a replica (``wake_up``, ``sleep``, ``abort_all_requests``, ...), each a no-op: the
+    leader's SGLang call reaches every node's schedulers, as verl's own ``SGLangHttpServer`` does on a
+    node rank other than 0 (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``)."""
+
+    def __init__(self, config, node_rank: int, model_config=None):
+        super().__init__(config, node_rank)
+        self._model_config = model_config
+
+    async def start(self, layout, leader_host: str) -> List[int]:
+        """Resolve the model's local folder on this node (as the leader does on its own), then start."""
+        if self._model_config is not None:
+            _localize(self.config, self._model_config)
+        return await super().start(layout, leader_host)
+
+    async def _leader_does_it(self, *args, **kwargs) -> None:
+        return None
+
+    wake_up = sleep = abort_all_requests = resume_generation = clear_kv_cache = _leader_does_it
+    release_kv_cache = resume_kv_cache = start_profile = stop_profile = _leader_does_it
+
+
 class SglRolloutReplica(RolloutReplica):
-    """verl ``RolloutReplica`` whose server is a :class:`VerlRolloutServer` actor (one node).
+    """verl ``RolloutReplica`` whose server is a :class:`VerlRolloutServer` actor (plus a :class:`VerlNodeHost` per
+    other node when the replica spans nodes).
 
     Refuses at construction (verl builds replicas before any resources) what sgl-rollout does not
     serve: generative reward models (their router posts HTTP to each replica), distillation teachers
@@ -583,6 +605,7 @@ class SglRolloutReplica(RolloutReplica):
     """
 
     server_class = VerlRolloutServer
+    node_host_class = VerlNodeHost
 
     def __init__(self, replica_rank: int, config, model_config, gpus_per_node: int = 8,
                  is_reward_model: bool = False, is_teacher_model: bool = False, name_suffix: str = ""):
@@ -613,36 +636,74 @@ class SglRolloutReplica(RolloutReplica):
         return server_name(self.replica_rank, 0, self.role, self._name_suffix)
 
     async def launch_servers(self):
-        """Start the engine actor on the node of this replica's workers, on the GPUs they use.
+        """Start the engine actor on the node of this replica's workers, on the GPUs they use; for a
+        replica over several nodes (``tensor_model_parallel_size`` x ``data_parallel_size`` above the
+        GPUs per node), one actor per node: the leader (:class:`VerlRolloutServer`, node rank 0, which
+        verl's clients and the trainer's adapter talk to) and a :class:`VerlNodeHost` on each other node,
+        placed where verl placed the replica's workers (worker ``k`` holds TP rank ``k``), ports from
+        :func:`~sgl_rollout.engine.layout.replica_layout` (a block per replica rank).
+
+        ``servers`` lists them in node-rank order, as verl's own replica does; ``server_handle`` and
+        ``server_address`` are the leader's.
 
         Raises:
-            UnsupportedVerlFeature: the replica spans several nodes.
+            RuntimeError: the workers of one node rank are not on one node, or a node fails to start.
         """
-        if self.nnodes > 1:
-            raise UnsupportedVerlFeature(
-                f"{ROLLOUT_PREFIX}.tensor_model_parallel_size*data_parallel_size={self.world_size} > "
-                f"{self.gpus_per_node} GPUs per node: sgl-rollout runs a replica on one node; lower TP, or "
-                f"{VERL_BUILTIN}")
         infos = await asyncio.gather(*[
             w.__ray_call__.remote(lambda self: (ray.get_runtime_context().get_node_id(),
                                                 os.environ.get("CUDA_VISIBLE_DEVICES", ""),
                                                 [str(g) for g in ray.get_gpu_ids()]))
             for w in self.workers
         ])
-        devices = merge_visible_devices([cvd or ",".join(gpus) for _node, cvd, gpus in infos])
         mode = self.rollout_mode.value if self.rollout_mode is not None else None
         cfg = rollout_config_for_verl(self.config, model_path_of(self.model_config), model_config=self.model_config,
                                       rollout_mode=mode)
-        server = launch_rollout_server(cfg, devices, node_id=infos[0][0], name=self.name,
-                                       max_concurrency=self.max_concurrency,
-                                       actor_cls=_bind_server(self.server_class, self.config, self.model_config, mode))
-        self.servers = [server]
+        server_cls = _bind_server(self.server_class, self.config, self.model_config, mode)
+        if self.nnodes > 1:
+            server = await self._launch_nodes(cfg, infos, server_cls)
+        else:
+            devices = merge_visible_devices([cvd or ",".join(gpus) for _node, cvd, gpus in infos])
+            server = launch_rollout_server(cfg, devices, node_id=infos[0][0], name=self.name,
+                                           max_concurrency=self.max_concurrency, actor_cls=server_cls)
+            self.servers = [server]
+            await server.start.remote()
         self._server_handle = server
-        await server.start.remote()
         ip, port = await server.get_server_address.remote()
         self._server_address = format_address(ip, port)
-        logger.info("sgl-rollout replica %d (%s): engine %s on GPUs %s of node %s, address %s", self.replica_rank,
-                    mode, self.name, devices, infos[0][0], self._server_address)
+        logger.info("sgl-rollout replica %d (%s): engine %s over %d node(s), address %s", self.replica_rank, mode,
+                    self.name, self.nnodes, self._server_address)
+
+    async def _launch_nodes(self, cfg: RolloutConfig, infos: list, server_cls):
+        from ..engine.layout import replica_layout
+
+        per = self.gpus_per_replica_node
+        groups = [infos[k * per:(k + 1) * per] for k in range(self.nnodes)]
+        for rank, group in enumerate(groups):
+            if len({node for node, _cvd, _gpus in group}) != 1:
+                raise RuntimeError(f"replica {self.replica_rank}: the workers of node rank {rank} are on several "
+                                   f"Ray nodes {sorted({node for node, _c, _g in group})}; verl places them per node")
+        gpu_ids = [[int(d) for d in merge_visible_devices([cvd or ",".join(gpus) for _n, cvd, gpus in group]).split(",")]
+                   for group in groups]
+        world = self.world_size
+        n_replicas = max(self.replica_rank + 1, int(ray.cluster_resources().get("GPU", 0)) // world)
+        layout = replica_layout(self.replica_rank, cfg.tensor_model_parallel_size, gpu_ids, n_replicas=n_replicas)
+        leader, hosts = launch_replica(cfg, layout, [group[0][0] for group in groups], name=self.name,
+                                       max_concurrency=self.max_concurrency, actor_cls=server_cls,
+                                       host_cls=_with_settings(self.node_host_class,
+                                                               {"model_config": _plain_model_config(self.model_config)}))
+        self.servers = [leader, *hosts]
+        await leader.start.remote(layout, hosts)
+        return leader
+
+def _localize(config: RolloutConfig, model_config):
+    """Point ``config`` at the model's folder on this node (verl's hdfs copy, ``use_shm``) and add the FP8
+    overrides it needs; returns the model's Hugging Face config (None when unreadable)."""
+    local_path, hf_config = resolve_local_model(model_config)
+    if local_path:
+        config.model_path = local_path
+    if config.engine_kwargs.get("quantization") == "fp8" and hf_config is not None:
+        config.engine_kwargs = with_fp8_override(config.engine_kwargs, hf_config)
+    return hf_config
 
 
 def _plain_model_config(model_config):
@@ -665,9 +726,15 @@ def _bind_server(cls, verl_cfg, model_config=None, rollout_mode: Optional[str] =
         rollout_mode=rollout_mode,
     )
 
+    return _with_settings(cls, settings)
+
+
+def _with_settings(cls, settings: dict):
+    """Subclass of the actor body ``cls`` whose constructor also gets ``settings`` (keyword arguments)."""
+
     class _Bound(cls):
-        def __init__(self, config):
-            super().__init__(config, **settings)
+        def __init__(self, *args):
+            super().__init__(*args, **settings)
 
     _Bound.__name__ = cls.__name__
     _Bound.__qualname__ = cls.__qualname__

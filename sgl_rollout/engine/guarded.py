@@ -1,24 +1,10 @@
-"""An SGLang engine set up so that release/resume really free memory, guarded against bad calls.
+"""The guarded SGLang engine: one body per call into SGLang, checked before anything reaches the scheduler.
 
-What SGLang 0.5.10 needs for tagged release to work (each learnt from its source):
-
-* ``enable_memory_saver=True``: otherwise ``release_memory_occupation`` silently frees nothing
-  (``TorchMemorySaverAdapter`` is a no-op, ``sglang/srt/utils/torch_memory_saver_adapter.py``);
-* ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``: otherwise CUDA-graph memory is not tagged
-  (``CudaGraphRunner._capture_graph``, ``sglang/srt/model_executor/cuda_graph_runner.py``);
-* piecewise CUDA graphs off: their memory is never released;
-* no ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` for the engine's processes:
-  torch-memory-saver raises on it. It is removed only while the engine's processes are spawned,
-  so a trainer in the host process keeps its own setting.
-
-Containment: any exception in SGLang's scheduler, or its death, makes SGLang SIGQUIT the host process and
-kill it (the trainer). :class:`RolloutEngine` installs its own SIGQUIT handler (through SGLang's
-``custom_sigquit_handler`` launch argument and again after start-up), watches the engine's processes,
-and turns a death into :class:`EngineDeadError` with :meth:`RolloutEngine.restart` to recover.
-
-Shutdown: ``sglang.Engine.shutdown()`` kills *every* child process of the host
-(``kill_process_tree(os.getpid(), include_parent=False)``), and SGLang registers it with atexit.
-:class:`RolloutEngine` records which children the engine started and ends only those.
+:class:`RolloutEngine` starts ``sglang.Engine`` in the environment :mod:`.lifecycle` prepares, keeps the
+memory tags' state (:class:`~sgl_rollout.memory.MemoryState`) so that a release of a released tag, a
+resume of a resident one or a release while requests run is refused before SGLang sees it, runs SGLang's
+tokenizer-manager coroutines on its own event loop, and turns a dead engine process into
+:class:`~.lifecycle.EngineDeadError` for every call in flight and after (with :meth:`RolloutEngine.restart`).
 """
 
 from __future__ import annotations
@@ -28,73 +14,17 @@ import atexit
 import concurrent.futures
 import contextlib
 import logging
-import os
-import signal
 import threading
 import time
 import uuid
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
-from .config import RolloutConfig
-from .memory import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryState, MemoryStateError
+from ..config import RolloutConfig
+from ..memory import ALL_TAGS, CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryState, MemoryStateError
+from .lifecycle import EngineClosedError, EngineDeadError, EngineProcesses, engine_env_updates, on_sigquit
 
 logger = logging.getLogger(__name__)
-
-
-def strip_expandable_segments(conf: Optional[str]) -> Optional[str]:
-    """``PYTORCH_CUDA_ALLOC_CONF`` without its ``expandable_segments`` option; None when nothing is left.
-
-    >>> strip_expandable_segments("expandable_segments:True,max_split_size_mb:128")
-    'max_split_size_mb:128'
-    """
-    if not conf:
-        return None
-    kept = [opt for opt in conf.split(",") if opt.strip() and not opt.strip().startswith("expandable_segments")]
-    return ",".join(kept) or None
-
-
-def engine_env_updates(
-    sglang_version: Optional[str] = None,
-    base: Optional[Dict[str, str]] = None,
-    disable_tp_imbalance_check: bool = True,
-) -> Dict[str, Optional[str]]:
-    """Environment changes for the engine's processes (None: remove the variable).
-
-    Args:
-        sglang_version: SGLang version for the version-gated patches; None reads the installed one.
-        base: environment to start from (``os.environ`` by default); only read.
-        disable_tp_imbalance_check: apply ``patches/tp_memory_imbalance.py`` (default). False leaves
-            SGLang's own setting, which refuses to start TP on GPUs with unequal free memory.
-
-    Returns:
-        dict of variable -> value or None: memory-saver CUDA-graph tagging, the allocator config
-        without ``expandable_segments``, and the TP memory-imbalance check switched off
-        (``patches/tp_memory_imbalance.py``).
-    """
-    from .patches import tp_memory_imbalance
-
-    base = os.environ if base is None else base
-    updates: Dict[str, Optional[str]] = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
-    if "PYTORCH_CUDA_ALLOC_CONF" in base:
-        updates["PYTORCH_CUDA_ALLOC_CONF"] = strip_expandable_segments(base["PYTORCH_CUDA_ALLOC_CONF"])
-    if disable_tp_imbalance_check:
-        updates.update(tp_memory_imbalance.env_updates(sglang_version))
-    return updates
-
-
-@contextlib.contextmanager
-def patched_environ(updates: Dict[str, Optional[str]]) -> Iterator[None]:
-    """Apply ``updates`` to ``os.environ`` (None removes a variable) and restore it on exit."""
-    from .patches import apply_env_updates
-
-    saved = {k: os.environ.get(k) for k in updates}
-    try:
-        apply_env_updates(os.environ, updates)
-        yield
-    finally:
-        apply_env_updates(os.environ, saved)
 
 
 @dataclass
@@ -136,87 +66,6 @@ class LoraAdapter:
     nbytes: int = 0
 
 
-def _host_helper_pids() -> set:
-    """Pids of ``multiprocessing``'s helpers that serve the whole host process: the resource tracker and
-    the forkserver. They can start during an engine's launch (SGLang spawns its scheduler) without
-    belonging to it; killing the resource tracker loses its registry (leaked-semaphore warnings and a
-    ``KeyError`` from ``multiprocessing/resource_tracker.py`` at exit)."""
-    from multiprocessing import forkserver, resource_tracker
-
-    pids = {getattr(resource_tracker._resource_tracker, "_pid", None),
-            getattr(forkserver._forkserver, "_forkserver_pid", None)}
-    return {p for p in pids if p}
-
-
-def _child_processes() -> list:
-    """This process's children (``psutil.Process``), ``multiprocessing``'s host-wide helpers excepted.
-
-    The handles, not bare pids, are what the engine keeps: a ``psutil.Process`` remembers its start
-    time, so signalling it or asking whether it runs never reaches another process that was given
-    the same pid after it exited (pids wrap at ``/proc/sys/kernel/pid_max``, often 32768)."""
-    import psutil
-
-    helpers = _host_helper_pids()
-    return [p for p in psutil.Process().children(recursive=False) if p.pid not in helpers]
-
-
-def _kill_trees(roots: Sequence, timeout_s: float = 10.0) -> None:
-    """End each ``psutil.Process`` of ``roots`` that still runs, with its descendants (:func:`_kill_procs`)."""
-    import psutil
-
-    procs = []
-    for root in roots:
-        try:
-            if not root.is_running():  # exited, or its pid now belongs to another process
-                continue
-            procs.extend(root.children(recursive=True))
-            procs.append(root)
-        except psutil.NoSuchProcess:
-            continue
-    _kill_procs(procs, timeout_s)
-
-
-def _kill_procs(procs: list, timeout_s: float = 10.0) -> None:
-    """SIGTERM ``procs`` (psutil.Process), then SIGKILL those still alive after ``timeout_s``.
-
-    SGLang's scheduler and detokenizer are ``multiprocessing`` children: they are reaped through
-    ``Process.join`` so that ``multiprocessing`` records their exit. Reaped behind its back (by
-    ``os.waitpid``), it would believe them alive forever and its exit hook, which joins every child,
-    would hang the host process at exit.
-    """
-    import multiprocessing
-
-    import psutil
-
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    mp_children = {c.pid: c for c in multiprocessing.active_children()}
-    others = []
-    for p in procs:
-        child = mp_children.get(p.pid)
-        if child is None:
-            others.append(p)
-            continue
-        child.join(timeout_s)
-        if child.is_alive():
-            child.kill()
-            child.join(timeout_s)
-    procs = others
-    _gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=timeout_s)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's scheduler (or another of its processes) died; every call raises this until :meth:`RolloutEngine.restart`."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine was shut down; every call raises this at once."""
-
 
 def engine_tags(config: RolloutConfig) -> tuple:
     """The tags an engine built from ``config`` has: ``cuda_graph`` only when CUDA graphs are on."""
@@ -226,7 +75,7 @@ def engine_tags(config: RolloutConfig) -> tuple:
 def _check_tp_for_sglang(config: RolloutConfig) -> None:
     """Refuse, before SGLang spawns anything, a TP size the model's heads do not split over or that needs
     more GPUs than this process sees (:func:`~sgl_rollout.config.tp_layout_problem`)."""
-    from .config import check_tp_layout, heads_of_model_path
+    from ..config import check_tp_layout, heads_of_model_path
 
     args = config.engine_kwargs
     tp = config.tensor_model_parallel_size
@@ -239,70 +88,12 @@ def _check_tp_for_sglang(config: RolloutConfig) -> None:
     except ImportError:
         visible = None
     if visible:
+        # a replica over N nodes needs tp / N GPUs here (its other ranks run on the other nodes)
+        nnodes = max(1, int(args.get("nnodes", 1) or 1))
         base, step = int(args.get("base_gpu_id", 0) or 0), int(args.get("gpu_id_step", 1) or 1)
-        check_tp_layout(tp, gpus=max(0, (visible - base + step - 1) // step))
+        check_tp_layout(tp // nnodes, gpus=max(0, (visible - base + step - 1) // step),
+                        key="tensor_model_parallel_size" + (f" / nnodes={nnodes}" if nnodes > 1 else ""))
 
-
-# --------------------------------------------------------------------------- engine death
-_LIVE_ENGINES: "weakref.WeakSet[RolloutEngine]" = weakref.WeakSet()
-
-
-def _on_sigquit(signum=None, frame=None) -> None:
-    """SIGQUIT handler that replaces SGLang's: note the signal, kill nothing.
-
-    SGLang's scheduler, detokenizer and ``SubprocessWatchdog`` send SIGQUIT to the host process
-    when one of its processes fails (``run_scheduler_process``, ``sglang/srt/managers/scheduler.py``;
-    ``sglang/srt/utils/watchdog.py``), and SGLang's own handlers answer with
-    ``kill_process_tree(os.getpid())``: the trainer dies with the engine. Here each live engine's
-    watchdog thread is told to look at its processes now; the one whose process died marks itself
-    dead. Only a plain attribute is written (a signal handler must not take locks).
-    """
-    now = time.monotonic()
-    for eng in list(_LIVE_ENGINES):
-        eng._sigquit_at = now
-
-
-def install_sigquit_handler() -> bool:
-    """Keep SIGQUIT from ending this process: :func:`_on_sigquit` in the main thread, else ignore it.
-
-    CPython takes signal handlers only in the main thread. A Ray actor runs its constructor and
-    methods in other threads, so there the signal is set to ``SIG_IGN`` through libc (a process-wide
-    disposition any thread may set): the engine's watchdog thread then sees a dead process by
-    polling (every ``watch_interval_s``) instead of being prompted by the signal.
-
-    Returns:
-        True when SIGQUIT is handled or ignored; False when neither could be set up (no libc).
-    """
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGQUIT, _on_sigquit)
-        return True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.signal.restype = ctypes.c_void_p
-        libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        sig_err = ctypes.c_void_p(-1).value
-        if libc.signal(int(signal.SIGQUIT), ctypes.c_void_p(1)) == sig_err:  # 1 == SIG_IGN
-            return False
-    except (OSError, AttributeError):
-        return False
-    logger.info("SIGQUIT ignored in this process (not the main thread): engine deaths are found by polling")
-    return True
-
-
-def _dead_pids(procs: Sequence) -> List[int]:
-    """Pids of the ``psutil.Process`` handles in ``procs`` that exited (zombies included)."""
-    import psutil
-
-    dead = []
-    for p in procs:
-        try:
-            if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE:
-                dead.append(p.pid)
-        except psutil.NoSuchProcess:
-            dead.append(p.pid)
-    return dead
 
 
 class RolloutEngine:
@@ -320,7 +111,7 @@ class RolloutEngine:
     * one lock (:class:`~sgl_rollout.memory.MemoryState`) covers check-and-act for release, resume,
       sync and the admission of generates;
     * a dead scheduler (an exception in it, ``kill -9``, an OOM kill) does not take the host process
-      down: SGLang's SIGQUIT handler is replaced by :func:`_on_sigquit`, a watchdog thread watches the
+      down: SGLang's SIGQUIT handler is replaced by :func:`on_sigquit`, a watchdog thread watches the
       engine's processes, and every call (also those in flight) raises :class:`EngineDeadError`
       until :meth:`restart`;
     * with ``lora_rank > 0`` it serves LoRA adapters (:meth:`load_lora_adapter_from_tensors`,
@@ -357,7 +148,6 @@ class RolloutEngine:
         self._watch_interval_s = watch_interval_s
         self._closed = False
         self._dead: Optional[str] = None
-        self._sigquit_at: Optional[float] = None
         self._pending: set = set()
         self._pending_lock = threading.Lock()
         self._last_op: Optional[concurrent.futures.Future] = None
@@ -393,76 +183,30 @@ class RolloutEngine:
         self._weights_synced = False
         self._weights_released_since_sync = False
         self._sync_bytes_sent = False
-        self._sigquit_at = None
-        self._children: list = []  # psutil.Process of the engine's own child processes
-        before = set(_child_processes())
-
-        def started_here() -> list:  # the factory's children (psutil.Process compares by pid and start time)
-            return sorted((p for p in _child_processes() if p not in before), key=lambda p: p.pid)
-
         server_args = self.config.to_server_args()
         if threading.current_thread() is threading.main_thread():
             # SGLang installs this in place of its own launch-phase handler, which kills the host.
-            server_args["custom_sigquit_handler"] = _on_sigquit
+            server_args["custom_sigquit_handler"] = on_sigquit
+        generation = self._generation
         try:
-            with patched_environ(engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check)):
-                self._engine = factory(**server_args)
+            self._procs = EngineProcesses(
+                factory, server_args, engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check),
+                on_death=lambda reason: self._mark_dead(reason, generation), watch_interval_s=self._watch_interval_s)
         except BaseException as exc:
-            _kill_trees(started_here())
             if self._generation > 1:  # a failed restart: calls keep raising EngineDeadError
                 self._dead = f"restart failed: {exc!r}"
             raise
+        self._engine = self._procs.engine
         self._dead = None
-        self._children = started_here()
-        self._descendants: dict = {}
-        self._track_descendants()
-        # SGLang registers Engine.shutdown with atexit; it would kill every child of the host.
-        shutdown = getattr(self._engine, "shutdown", None)
-        if shutdown is not None:
-            atexit.unregister(shutdown)
-        if not install_sigquit_handler():
-            logger.warning("SIGQUIT could be neither handled nor ignored here: a dying scheduler's SIGQUIT "
-                           "would end this process")
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sgl-rollout-engine", daemon=True)
         self._loop_thread.start()
-        self._stop_watch = threading.Event()
-        self._watch_thread = threading.Thread(target=self._watch, name="sgl-rollout-watchdog", daemon=True)
-        self._watch_thread.start()
-        _LIVE_ENGINES.add(self)
         logger.info("SGLang engine up: tp=%d, child processes %s", self.config.tensor_model_parallel_size, self._child_pids)
 
     @property
     def _child_pids(self) -> List[int]:
         """Pids of the engine's own child processes (its scheduler(s), detokenizer), sorted."""
-        return [p.pid for p in self._children]
-
-    def _track_descendants(self) -> None:
-        """Remember the engine processes' own children (compile workers, ...): once a scheduler is
-        killed they are re-parented away from it, and only this record lets shutdown end them."""
-        import psutil
-
-        for child in self._children:
-            with contextlib.suppress(psutil.Error):
-                if not child.is_running():
-                    continue
-                for p in child.children(recursive=True):
-                    self._descendants.setdefault(p.pid, p)  # psutil.Process: safe against pid reuse
-
-    def _watch(self) -> None:
-        ticks, generation, stop = 0, self._generation, self._stop_watch
-        while not stop.wait(self._watch_interval_s):
-            if ticks % 10 == 0:
-                self._track_descendants()
-            ticks += 1
-            dead = _dead_pids(self._children)
-            if dead:
-                self._mark_dead(f"engine process(es) {dead} exited", generation)
-                return
-            quit_at = self._sigquit_at
-            if quit_at is not None and time.monotonic() - quit_at > 10.0:
-                logger.warning("SIGQUIT received but this engine's processes are alive; ignored")
-                self._sigquit_at = None
+        return self._procs.child_pids
 
     def _mark_dead(self, reason: str, generation: Optional[int] = None) -> None:
         """Record the engine's death, end what is left of its processes, then fail every call in flight.
@@ -490,20 +234,20 @@ class RolloutEngine:
                 fut.set_exception(exc)
 
     def _stop_machinery(self) -> None:
-        _LIVE_ENGINES.discard(self)
-        self._stop_watch.set()
-        tm = getattr(self._engine, "tokenizer_manager", None)
-        watchdog = getattr(tm, "_subprocess_watchdog", None)
-        if watchdog is not None:
-            watchdog.stop()
         def stop_loop() -> None:  # calls that will never be answered are dropped quietly
             for task in asyncio.all_tasks(self._loop):
                 task.cancel()
             self._loop.call_soon(self._loop.stop)
 
         self._loop.call_soon_threadsafe(stop_loop)
-        _kill_trees(self._children)
-        _kill_procs([p for p in self._descendants.values() if p.is_running()])
+        self._procs.stop()
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from outside: another node of its replica died, so SGLang's next
+        collective would hang. Its processes are ended and every call in flight and after raises
+        :class:`EngineDeadError` (naming ``reason``) until :meth:`restart`. No-op when already dead or
+        shut down."""
+        self._mark_dead(reason, self._generation)
 
     def check_alive(self) -> None:
         """Raise at once if the engine cannot take calls.
@@ -926,7 +670,7 @@ class RolloutEngine:
             raise MemoryStateError(f"call begin_sync() before you {what} (no generate may run meanwhile)")
 
     def _adapter_request(self, name: str, tensors, config_dict, load_format):
-        from .weight_sync import lora
+        from ..weight_sync import lora
 
         if not isinstance(name, str) or not name or "@" in name:
             raise ValueError(f"adapter name must be a non-empty str without '@', got {name!r}")
@@ -1152,17 +896,3 @@ def _to_generation(out: Dict[str, Any], with_logprob: bool) -> Generation:
         finish_reason=finish.get("type") if isinstance(finish, dict) else finish,
     )
 
-
-__all__ = [
-    "EngineClosedError",
-    "EngineDeadError",
-    "Generation",
-    "LoraAdapter",
-    "MemoryStateError",
-    "RolloutEngine",
-    "engine_env_updates",
-    "engine_tags",
-    "install_sigquit_handler",
-    "patched_environ",
-    "strip_expandable_segments",
-]
