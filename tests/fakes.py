@@ -10,6 +10,7 @@
 """
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -293,3 +294,38 @@ class FakeNodeEngine:
 
     def shutdown(self):
         raise AssertionError("SGLang's Engine.shutdown kills every child of the host; it must not be called")
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@contextlib.contextmanager
+def two_ray_nodes(namespace: str, modules=(), num_cpus: int = 1):
+    """A Ray cluster of two raylets on this machine (``ray.cluster_utils.Cluster``) standing for two nodes,
+    connected; yields their node ids, node 0 (the head) first. ``modules`` are pickled by value (actors
+    cannot import test files)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": num_cpus, "resources": {"node0": 1}})
+    cluster.add_node(num_cpus=num_cpus, resources={"node1": 1})
+    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, namespace=namespace)
+    try:
+        for mod in (*modules, sys.modules[__name__]):
+            ray.cloudpickle.register_pickle_by_value(mod)
+        cluster.wait_for_nodes()
+        nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: "node1" in n["Resources"])
+        yield [n["NodeID"] for n in nodes]
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -53,31 +53,12 @@ class FakeHost(NodeEngineHost):
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node0": 1}})
-    cluster.add_node(num_cpus=1, resources={"node1": 1})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, namespace="sgl_rollout_multinode")
-    for mod in (sys.modules[__name__], fakes):
-        ray.cloudpickle.register_pickle_by_value(mod)  # the actors cannot import the test files
-    cluster.wait_for_nodes()
-    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: "node1" in n["Resources"])
-    yield [n["NodeID"] for n in nodes]
-    ray.shutdown()
-    cluster.shutdown()
+    with fakes.two_ray_nodes("sgl_rollout_multinode", modules=(sys.modules[__name__],), num_cpus=1) as node_ids:
+        yield node_ids
 
 
 def _cause(err):
     return getattr(err, "cause", None) or err
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 def test_a_replica_over_two_nodes_starts_serves_dies_restarts_and_stops(two_nodes):
@@ -131,9 +112,9 @@ def test_a_replica_over_two_nodes_starts_serves_dies_restarts_and_stops(two_node
     leader_pids = ray.get(leader.__ray_call__.remote(lambda self: self.worker.engine._child_pids))
     ray.get(leader.shutdown.remote(), timeout=60)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in leader_pids + [pid2]):
+    while time.monotonic() < deadline and any(fakes.process_alive(p) for p in leader_pids + [pid2]):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in leader_pids + [pid2])
+    assert not any(fakes.process_alive(p) for p in leader_pids + [pid2])
     assert ray.get(host.status.remote()) == "stopped"
 
 

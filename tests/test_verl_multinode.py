@@ -62,18 +62,8 @@ class TrainerWorker:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node0": 1}})
-    cluster.add_node(num_cpus=2, resources={"node1": 1})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False, namespace="sgl_rollout_verl_mn")
-    for mod in (sys.modules[__name__], fakes, _sglang_cpu):
-        ray.cloudpickle.register_pickle_by_value(mod)  # the actors cannot import the test files
-    cluster.wait_for_nodes()
-    nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: "node1" in n["Resources"])
-    yield [n["NodeID"] for n in nodes]
-    ray.shutdown()
-    cluster.shutdown()
+    with fakes.two_ray_nodes("sgl_rollout_verl_mn", modules=(sys.modules[__name__], _sglang_cpu,), num_cpus=2) as node_ids:
+        yield node_ids
 
 
 def test_verl_replica_over_two_nodes(two_nodes, tmp_path):
@@ -117,15 +107,5 @@ def test_verl_replica_over_two_nodes(two_nodes, tmp_path):
     pids = ray.get(host.child_pids.remote())
     ray.get(leader.shutdown.remote())
     assert ray.get(host.status.remote()) == "stopped"
-    assert all(not fakes_alive(p) for p in pids)
+    assert all(not fakes.process_alive(p) for p in pids)
 
-
-def fakes_alive(pid):
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"

@@ -320,8 +320,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
     out["update_phase_order"] = order
     gen = {k: v for k, v in gen_breakdown(spans).items() if k in later_steps}
-    out["gen_phase_order"] = [name for phases in gen.values() for name, _s, _k in phases]
-    out["gen_phase_order"] = list(dict.fromkeys(out["gen_phase_order"]))
+    out["gen_phase_order"] = list(dict.fromkeys(label for phases in gen.values() for name, _s, kids in phases
+                                                 for label in [name] + [f"{name} / {k}" for k in kids]))
     out["gen_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in _collect_phases(gen).items()}
     return out
 
@@ -462,43 +462,31 @@ def markdown(comparison: dict) -> str:
                 lines.append(f"| {t['target']} | {_f(t['builtin'])} | {_f(t['ours'])} | "
                              f"{_f(t['ratio'], '.2f')}{extra} | {met} |")
             lines.append("")
-        names: List[str] = []
-        for s in cols:
-            for n in runs[s].get("update_phase_order", []):
-                if n not in names:
-                    names.append(n)
-        if names:
-            lines.append("Where `timing_s/update_weights` goes (median ms over steps after the first; "
-                         "`a / b`: b's share of phase a):")
-            lines.append("")
-            lines.append("| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |")
-            lines.append("| --- | " + " | ".join("---:" for _ in cols) + " |")
-            for n in names:
-                cells = []
-                for s in cols:
-                    v = runs[s].get("update_phases", {}).get(n, {}).get("median")
-                    cells.append(_f(None if v is None else v * 1e3, ".1f"))
-                lines.append(f"| {n} | " + " | ".join(cells) + " |")
-            lines.append("")
-        gen_names = list(dict.fromkeys(n for s in cols for n in runs[s].get("gen_phase_order", [])))
-        if gen_names:
-            lines.append("Where `timing_s/gen` goes (median over steps after the first; ms, request counts as "
-                         "numbers; the first phase starts before verl's `gen` timer):")
-            lines.append("")
-            lines.append("| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |")
-            lines.append("| --- | " + " | ".join("---:" for _ in cols) + " |")
-            for n in gen_names:
-                kids = list(dict.fromkeys(k.split(" / ", 1)[1] for s in cols for k in runs[s].get("gen_phases", {})
-                                          if k.startswith(n + " / ")))
-                for label in [n] + [f"{n} / {k}" for k in kids]:
-                    cells = []
-                    for s in cols:
-                        v = runs[s].get("gen_phases", {}).get(label, {}).get("median")
-                        scale = 1.0 if label.endswith(" / requests") else 1e3
-                        cells.append(_f(None if v is None else v * scale, ".1f" if scale > 1 else ".0f"))
-                    lines.append(f"| {label} | " + " | ".join(cells) + " |")
-            lines.append("")
+        lines += _phase_table(runs, cols, "update_phases", "update_phase_order",
+                              "Where `timing_s/update_weights` goes (median ms over steps after the first; "
+                              "`a / b`: b's share of phase a):")
+        lines += _phase_table(runs, cols, "gen_phases", "gen_phase_order",
+                              "Where `timing_s/gen` goes (median over steps after the first; ms, request counts as "
+                              "numbers; the first phase starts before verl's `gen` timer):")
     return "\n".join(lines) + "\n"
+
+
+def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: str) -> List[str]:
+    """Markdown lines of one breakdown: a row per phase of any side's ``order_key``, the median of
+    ``runs[side][key][phase]`` per side (ms; a ``/ requests`` row as a count); none without phases."""
+    labels = list(dict.fromkeys(n for s in cols for n in runs[s].get(order_key, [])))
+    if not labels:
+        return []
+    out = [title, "", "| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
+           "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+    for label in labels:
+        count = label.endswith(" / requests")
+        cells = []
+        for s in cols:
+            v = runs[s].get(key, {}).get(label, {}).get("median")
+            cells.append(_f(None if v is None else (v if count else v * 1e3), ".0f" if count else ".1f"))
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 # ------------------------------------------------------------------------------------ plot

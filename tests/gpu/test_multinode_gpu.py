@@ -27,51 +27,12 @@ from sgl_rollout.config import RolloutConfig
 
 ray = pytest.importorskip("ray")
 
+sys.path.insert(0, os.path.dirname(__file__))
+import trainers  # noqa: E402
+from trainers import Trainer  # noqa: E402
+
 PROMPTS = [[1, 17, 42, 99, 7], [1, 500, 3, 3, 3, 8], [1, 1000, 256]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
-
-
-class Trainer:
-    """A trainer worker: the HF model on its node's GPU, sending its weights bucket by bucket."""
-
-    def __init__(self, model_dir):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
-        self.saved = None
-        self.stream = None
-
-    def info(self):
-        return ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
-
-    def perturb(self, on: bool):
-        """Scale the first MLP's down projection (on) or put the saved weights back (off)."""
-        w = self.model.model.layers[0].mlp.down_proj.weight
-        if on:
-            self.saved = w.detach().clone()
-            with torch.no_grad():
-                w.mul_(3.0)
-        else:
-            with torch.no_grad():
-                w.copy_(self.saved)
-
-    def start_sync(self, bucket_bytes):
-        from sgl_rollout.weight_sync import BucketStream
-
-        self.stream = BucketStream(self.model.named_parameters(), bucket_bytes)
-
-    def next_weight_payload(self):
-        return self.stream.next_payload()
-
-    def release_weight_payload(self):
-        self.stream.release()
-
-    def check_greedy(self, prompts, got):
-        sys.path.insert(0, os.path.dirname(__file__))
-        from greedy import assert_greedy_equal
-
-        assert_greedy_equal(self.model, prompts, got)
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +48,8 @@ def two_nodes(tmp_path_factory):
     cluster.add_node(num_cpus=8, num_gpus=1, resources={"node1": 1}, env_vars={"CUDA_VISIBLE_DEVICES": "1"})
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=True,
              runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}})
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+    for mod in (sys.modules[__name__], trainers):
+        ray.cloudpickle.register_pickle_by_value(mod)  # workers cannot import the test modules
     cluster.wait_for_nodes()
     yield path
     ray.shutdown()

@@ -13,41 +13,12 @@ from sgl_rollout.config import RolloutConfig
 
 ray = pytest.importorskip("ray")
 
+sys.path.insert(0, os.path.dirname(__file__))
+import trainers  # noqa: E402
+from trainers import Trainer  # noqa: E402
+
 PROMPTS = [[1, 17, 42, 99, 7], [1, 500, 3, 3, 3, 8], [1, 1000, 256]]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
-
-
-class Trainer:
-    """A trainer worker: the HF model on its one GPU, sending its weights bucket by bucket."""
-
-    def __init__(self, model_dir, hold_bytes=0):
-        from transformers import AutoModelForCausalLM
-
-        self.hold = torch.empty(hold_bytes, dtype=torch.uint8, device="cuda") if hold_bytes else None
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).cuda().eval()
-        self.stream = None
-
-    def info(self):
-        return (ray.get_runtime_context().get_node_id(), os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                torch.cuda.mem_get_info()[0])
-
-    def start_sync(self, bucket_bytes):
-        from sgl_rollout.weight_sync import BucketStream
-
-        self.stream = BucketStream(self.model.named_parameters(), bucket_bytes)
-
-    def next_weight_payload(self):
-        return self.stream.next_payload()
-
-    def release_weight_payload(self):
-        self.stream.release()
-
-    def check_greedy(self, prompts, got):
-        sys.path.insert(0, os.path.dirname(__file__))
-        from greedy import assert_greedy_equal
-
-        assert_greedy_equal(self.model, prompts, got)
-        return True
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +36,8 @@ def test_tp2_engine_through_ray_syncs_from_two_workers(cluster):
     from sgl_rollout.ray import RolloutServer, launch_rollout_server, merge_visible_devices, sync_weights_from_workers
 
     model_dir = cluster
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test module
+    for mod in (sys.modules[__name__], trainers):
+        ray.cloudpickle.register_pickle_by_value(mod)  # workers cannot import the test modules
     TrainerActor = ray.remote(num_gpus=1)(Trainer)
     first = TrainerActor.remote(model_dir, hold_bytes=20 * 10**9)  # loads first, fills its GPU unevenly
     info_first = ray.get(first.info.remote())
