@@ -1,4 +1,4 @@
-"""``python -m sgl_rollout.bench {verl,sync,lora,gather}``: see :mod:`sgl_rollout.bench`."""
+"""``python -m sgl_rollout.bench {verl,sync,lora,gather,scale}``: see :mod:`sgl_rollout.bench`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmarks' command line."""
-    from . import verl_compare
+    from . import scale, verl_compare
 
     p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench",
                                 description="Benchmarks of sgl-rollout (GPU; verl compares in verl's own trainer).")
@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gather", help="time the sender's gather primitives (no engine)")
     g.add_argument("--repeats", type=int, default=10)
     g.add_argument("--out", default="bench_gather.json")
+    sc = sub.add_parser("scale", help="scale on paper: sync and switch cost at 8, 64 and 1,000 GPUs (no GPU)")
+    scale.add_arguments(sc)
     return p
 
 
@@ -40,6 +42,10 @@ def main(argv=None) -> int:
         from . import verl_compare
 
         return verl_compare.main(args)
+    if args.cmd == "scale":
+        from . import scale
+
+        return scale.main(args)
     import torch
 
     from . import sync
