@@ -83,7 +83,7 @@ def test_tp2_replica_over_two_nodes(two_nodes):
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nid, soft=False)).remote(model_dir) for nid in node_ids]
     infos = ray.get([w.info.remote() for w in workers])
     assert [i[0] for i in infos] == node_ids and infos[0][1] != infos[1][1], infos  # one GPU per node, distinct
-    layout = replica_layout(0, 2, [[int(cvd)] for _node, cvd in infos])
+    layout = replica_layout(0, 2, [[int(cvd)] for _node, cvd, _free in infos])
 
     cfg = RolloutConfig(model_path=model_dir, tensor_model_parallel_size=2, gpu_memory_utilization=0.5,
                         load_format="dummy", update_weights_bucket_megabytes=1, engine_kwargs=gpu_engine_flags())
