@@ -203,6 +203,50 @@ def test_preflight_names_what_is_missing():
         verl_compare.preflight(2, find_spec=present, cuda_devices=lambda: 1)
 
 
+def test_the_installed_copy_verl_imports_is_this_checkout():
+    # the test environment installs the checkout in editable mode (Makefile): the real check finds it
+    verl_compare.check_installed_copy()
+
+
+def _tree(root, files):
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def _where(path, entry_points=("sgl_rollout.integrations.verl:register",), code=0, stderr=""):
+    out = json.dumps({"file": str(path / "__init__.py"), "entry_points": list(entry_points)}) + "\n"
+    return lambda cmd, **kw: subprocess.CompletedProcess(cmd, code, out if code == 0 else "", stderr)
+
+
+def test_a_stale_installed_copy_is_refused_with_what_differs(tmp_path):
+    files = {"__init__.py": "", "engine/__init__.py": "", "engine/guarded.py": "x = 1\n", "worker.py": "w = 1\n"}
+    here = _tree(tmp_path / "checkout" / "sgl_rollout", files)
+    _tree(tmp_path / "checkout" / "patches", {"__init__.py": "", "p.py": "p = 1\n"})
+    (tmp_path / "checkout" / "pyproject.toml").write_text("")
+    # pip install . before engine/ existed and before worker.py changed; patches/ installed inside the package
+    stale = _tree(tmp_path / "site" / "sgl_rollout", {"__init__.py": "", "worker.py": "w = 0\n",
+                                                      "patches/__init__.py": "", "patches/p.py": "p = 1\n"})
+    with pytest.raises(verl_compare.SetupError) as e:
+        verl_compare.check_installed_copy(here=here, run=_where(stale))
+    msg = str(e.value)
+    assert "\n" not in msg and str(stale) in msg
+    assert "2 module(s) missing there, 1 changed" in msg
+    assert "engine/__init__.py" in msg and f"pip install -e {tmp_path / 'checkout'}" in msg
+    # the same files elsewhere (pip install . of this very checkout) pass
+    fresh = _tree(tmp_path / "site2" / "sgl_rollout", {**files, "patches/__init__.py": "", "patches/p.py": "p = 1\n"})
+    verl_compare.check_installed_copy(here=here, run=_where(fresh))
+
+
+def test_no_entry_point_or_no_import_is_refused(tmp_path):
+    here = _tree(tmp_path / "sgl_rollout", {"__init__.py": ""})
+    with pytest.raises(verl_compare.SetupError, match="entry point is not installed"):
+        verl_compare.check_installed_copy(here=here, run=_where(here, entry_points=()))
+    with pytest.raises(verl_compare.SetupError, match="cannot import sgl_rollout .ModuleNotFoundError: no sgl_rollout"):
+        verl_compare.check_installed_copy(here=here, run=_where(here, code=1, stderr="Traceback\nModuleNotFoundError: no sgl_rollout"))
+
+
 def test_the_two_sides_differ_only_in_the_plugins_and_the_run_name(tmp_path):
     pytest.importorskip("verl")
     b = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "b", 1, 1, 4, 0.5, python="python")

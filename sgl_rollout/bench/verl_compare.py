@@ -16,7 +16,8 @@ verl's console (``train.log``); then :mod:`.verl_report` writes ``comparison.jso
 ``comparison.png`` into the run folder and prints the Markdown.
 
 Exit status: 0 when every run finished, 1 when a run failed (the report says which and how far it
-got), 2 with one line when verl, a CUDA GPU or SGLang's kernels are missing, or the model cannot be made.
+got), 2 with one line when verl, a CUDA GPU or SGLang's kernels are missing, when the ``sgl_rollout`` verl's
+processes would import is not the running one (:func:`check_installed_copy`), or the model cannot be made.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -72,6 +74,78 @@ def preflight(ngpus: int, find_spec=importlib.util.find_spec, cuda_devices=None)
     n = cuda_devices()
     if n < ngpus:
         raise SetupError(f"{ngpus} CUDA GPU(s) needed, {n} visible")
+
+
+def package_files(pkg_dir: Path) -> Dict[str, str]:
+    """``{path relative to the package: sha1 of its bytes}`` for every ``.py`` file of a ``sgl_rollout`` folder.
+
+    A source checkout keeps ``patches/`` beside the package (pyproject.toml installs it as
+    ``sgl_rollout.patches``); its files are listed as ``patches/<name>.py`` then, as in an installed copy.
+    """
+    import hashlib
+
+    pkg_dir = Path(pkg_dir)
+    files = {p.relative_to(pkg_dir).as_posix(): p for p in pkg_dir.rglob("*.py") if "__pycache__" not in p.parts}
+    if not (pkg_dir / "patches").is_dir() and (pkg_dir.parent / "patches").is_dir():
+        files.update({f"patches/{p.name}": p for p in (pkg_dir.parent / "patches").glob("*.py")})
+    return {rel: hashlib.sha1(p.read_bytes()).hexdigest() for rel, p in files.items()}
+
+
+_WHERE_VERL_IMPORTS = (
+    "import json, importlib.metadata as md, sgl_rollout\n"
+    "eps = [e.value for e in md.entry_points(group='verl.plugins') if e.name == 'sgl_rollout']\n"
+    "print(json.dumps({'file': sgl_rollout.__file__, 'entry_points': eps}))\n")
+
+
+def check_installed_copy(env: Optional[Dict[str, str]] = None, here: Optional[Path] = None,
+                         run=subprocess.run) -> None:
+    """Check that verl's processes load this very ``sgl_rollout``, before the runs start.
+
+    verl's driver and its Ray workers do not run in the checkout: they import ``sgl_rollout`` from
+    ``PYTHONPATH`` or site-packages, and find the rollout through the ``verl.plugins`` entry point. A copy
+    installed with ``pip install .`` before the checkout changed would run old code on "our" side (seen:
+    a wheel without ``sgl_rollout.engine`` failed in verl's workers after 2 minutes); with no entry point,
+    ``rollout.name=sglang`` would be verl's built-in on both sides. This imports ``sgl_rollout`` in a fresh
+    interpreter outside the checkout, with ``env``, and compares its ``.py`` files with the running ones.
+
+    Args:
+        env: environment of the check (None: this process's).
+        here: the running package's folder (None: this module's package).
+        run: ``subprocess.run`` (tests pass a double).
+
+    Raises:
+        SetupError: one line: the import fails, the entry point is missing, or the files differ (how many
+            missing and changed, the first few named, and the reinstall command).
+    """
+    here = Path(here) if here is not None else Path(__file__).resolve().parent.parent
+    checkout = here.parent if (here.parent / "pyproject.toml").is_file() else None
+    hint = f"pip install -e {checkout}" if checkout else "reinstall sgl-rollout from its checkout (pip install -e DIR)"
+    try:
+        r = run([sys.executable, "-c", _WHERE_VERL_IMPORTS], env=env, cwd=tempfile.gettempdir(),
+                capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SetupError(f"could not check which sgl_rollout verl's processes import: {exc}") from None
+    lines = (r.stdout or "").strip().splitlines()
+    if r.returncode != 0 or not lines:
+        err = ((r.stderr or "").strip().splitlines() or ["no output"])[-1]
+        raise SetupError(f"verl's processes cannot import sgl_rollout ({err}); {hint}")
+    try:
+        info = json.loads(lines[-1])
+    except ValueError:
+        raise SetupError(f"could not check which sgl_rollout verl's processes import: {lines[-1][:200]}") from None
+    if not info.get("entry_points"):
+        raise SetupError("sgl_rollout's verl plugin entry point is not installed, so rollout.name=sglang would be "
+                         f"verl's built-in on both sides; {hint}")
+    theirs = Path(info["file"]).resolve().parent
+    if theirs == here.resolve():
+        return
+    mine, other = package_files(here), package_files(theirs)
+    missing = sorted(set(mine) - set(other))
+    changed = sorted(k for k in set(mine) & set(other) if mine[k] != other[k])
+    if missing or changed:
+        named = ", ".join((missing + changed)[:3]) + (", ..." if len(missing) + len(changed) > 3 else "")
+        raise SetupError(f"the sgl_rollout verl's processes import ({theirs}) is not this one ({here}): "
+                         f"{len(missing)} module(s) missing there, {len(changed)} changed ({named}); {hint}")
 
 
 # ------------------------------------------------------------------------------------ NVML
@@ -391,6 +465,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         preflight(args.ngpus)
+        if "ours" in sides:
+            check_installed_copy()
         from ..demo.model import ModelSetupError, resolve_model
 
         try:
