@@ -14,15 +14,15 @@ import sys
 import zipfile
 from pathlib import Path
 
+from sgl_rollout.bench.verl_compare import package_files
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _source_modules() -> set:
-    """Wheel paths the source tree should produce: ``sgl_rollout/**.py`` and ``patches/*.py``."""
-    mods = {p.relative_to(ROOT).as_posix() for p in (ROOT / "sgl_rollout").rglob("*.py")
-            if "__pycache__" not in p.parts}
-    mods |= {"sgl_rollout/patches/" + p.name for p in (ROOT / "patches").glob("*.py")}
-    return mods
+    """Wheel paths the source tree should produce: ``sgl_rollout/**.py`` and ``patches/*.py`` as
+    ``sgl_rollout/patches/`` (the installed layout, as the bench's stale-copy check lists it)."""
+    return {"sgl_rollout/" + rel for rel in package_files(ROOT / "sgl_rollout")}
 
 
 def test_wheel_holds_every_source_module(tmp_path):

@@ -23,6 +23,7 @@ processes would import is not the running one (:func:`check_installed_copy`), or
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -82,8 +83,6 @@ def package_files(pkg_dir: Path) -> Dict[str, str]:
     A source checkout keeps ``patches/`` beside the package (pyproject.toml installs it as
     ``sgl_rollout.patches``); its files are listed as ``patches/<name>.py`` then, as in an installed copy.
     """
-    import hashlib
-
     pkg_dir = Path(pkg_dir)
     files = {p.relative_to(pkg_dir).as_posix(): p for p in pkg_dir.rglob("*.py") if "__pycache__" not in p.parts}
     if not (pkg_dir / "patches").is_dir() and (pkg_dir.parent / "patches").is_dir():
