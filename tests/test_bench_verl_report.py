@@ -179,6 +179,11 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     # step 1: requests from 11.0, the last answered at 12.4; then verl's agent loop, then the sleep at 13.0
     spans += [span("sglang.generate_request", 11.0 + 0.1 * i, 1.0 + 0.1 * i, pid=9) for i in range(3)]
     spans += [span("replica.sleep", 13.0, 0.25, pid=5)]
+    # the way back: verl's client has the last answer 0.2 s after SGLang's; the driver's replay buffer
+    # sleeps from 10.5 to 12.3 (finding too few samples), then again from 12.3 to 12.9: 0.5 s of it after
+    # the last answer
+    spans += [span("verl.client_generate", 10.9 + 0.1 * i, 1.3 + 0.1 * i, pid=7) for i in range(3)]
+    spans += [span("verl.replay_buffer.poll", 10.5, 1.8, pid=5), span("verl.replay_buffer.poll", 12.3, 0.6, pid=5)]
     # step 2's single request, no sleep recorded
     spans += [span("sglang.generate_request", 31.5, 0.75, pid=9)]
     got = verl_report.gen_breakdown(spans)
@@ -186,8 +191,12 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     phases = {name: (secs, kids) for name, secs, kids in got[1]}
     assert phases["gen: update end -> first request"][0] == pytest.approx(0.5)
     secs, kids = phases["gen: first request -> last answer"]
-    assert secs == pytest.approx(1.4) and kids == {"requests": 3.0, "request median": pytest.approx(1.1)}
-    assert phases["gen: last answer -> replica.sleep"][0] == pytest.approx(0.6)
+    assert secs == pytest.approx(1.4) and kids == {"requests": 3.0, "last request in": pytest.approx(0.2),
+                                                   "request median": pytest.approx(1.1)}
+    secs, kids = phases["gen: last answer -> replica.sleep"]
+    assert secs == pytest.approx(0.6)
+    assert kids == {"verl.client_generate returned": pytest.approx(0.2), "replay-buffer poll sleep": pytest.approx(0.5),
+                    "polls": 2.0}
     assert phases["gen: replica.sleep"][0] == pytest.approx(0.25)
     assert [name for name, _s, _k in got[2]] == ["gen: update end -> first request", "gen: first request -> last answer"]
     assert got[2][0][1] == pytest.approx(1.0)
@@ -198,3 +207,14 @@ def test_a_run_without_request_spans_has_no_gen_table(tmp_path):
     for run in comp["pairs"][0]["runs"].values():
         assert run["gen_phases"] == {} and run["gen_phase_order"] == []
     assert "Where `timing_s/gen` goes" not in md
+
+
+def test_phase_table_prints_counts_as_numbers_and_times_in_ms():
+    phases = {"gen: first request -> last answer": {"median": 0.8294},
+              "gen: first request -> last answer / requests": {"median": 256.0},
+              "gen: last answer -> replica.sleep / polls": {"median": 2.0}}
+    runs = {side: {"gen_phases": phases, "gen_phase_order": list(phases)} for side in ("builtin", "ours")}
+    lines = verl_report._phase_table(runs, ["builtin", "ours"], "gen_phases", "gen_phase_order", "t")
+    assert "| gen: first request -> last answer | 829.4 | 829.4 |" in lines
+    assert "| gen: first request -> last answer / requests | 256 | 256 |" in lines
+    assert "| gen: last answer -> replica.sleep / polls | 2 | 2 |" in lines

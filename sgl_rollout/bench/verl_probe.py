@@ -32,7 +32,13 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   (``server.*``);
 * the engine's process, per request: SGLang's ``TokenizerManager.generate_request`` until its answer
   (``sglang.generate_request``; both sides call it once per request and take the first item);
-* the driver (verl's TaskRunner): ``RolloutReplica.sleep`` (``replica.sleep``, inside ``timing_s/gen``).
+* verl's agent-loop workers: ``LLMServerClient.generate`` per request (``verl.client_generate``, until
+  the answer is back over Ray);
+* the driver (verl's TaskRunner), inside ``timing_s/gen``: the replay buffer of verl's default trainer
+  (``trainer.use_v1``, ``verl/trainer/ppo/v1/replay_buffer.py``) waiting for the step's samples
+  (``ReplayBuffer.sample``: ``verl.replay_buffer.sample``) and each of its polls
+  (``_wait_for_next_poll``, a ``time.sleep`` of its ``poll_interval``, 2 s: ``verl.replay_buffer.poll``),
+  then ``RolloutReplica.sleep`` (``replica.sleep``).
 
 :mod:`.verl_report` turns the spans into the per-phase breakdowns of ``update_weights`` and ``gen``.
 """
@@ -303,6 +309,12 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
      {"agen": "sglang.generate_request", "first_item": True}),
+    # timing_s/gen after SGLang's answer: verl's client in the agent-loop worker getting it back over
+    # Ray, per request; the driver's replay buffer (verl's default trainer.use_v1) waiting for the
+    # step's samples, and each of its polls (a 2 s sleep in verl 0.9.1)
+    ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
+    ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.sample", dict(name="verl.replay_buffer.sample")),
+    ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer._wait_for_next_poll", dict(name="verl.replay_buffer.poll")),
     ("sgl_rollout.ray", "RolloutServer.resume_stage", dict(name="server.resume", name_of=_stage_of)),
     ("sgl_rollout.ray", "RolloutServer.begin_weight_sync", dict(name="server.begin_weight_sync")),
     ("sgl_rollout.ray", "RolloutServer.update_weights_from_payloads", dict(name="server.update_weights_from_payloads")),

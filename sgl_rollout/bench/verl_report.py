@@ -197,18 +197,28 @@ def steps_of(spans: List[dict]) -> Dict[int, List[dict]]:
 GEN_REQUEST = "sglang.generate_request"
 
 
+#: The replay buffer of verl's default trainer (``trainer.use_v1``) polls for the step's samples with
+#: a ``time.sleep(poll_interval)``, 2 s in verl 0.9.1 (``verl/trainer/ppo/v1/replay_buffer.py``).
+POLL = "verl.replay_buffer.poll"
+
+
 def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[str, float]]]]:
     """Where each step's generation goes, from the per-request spans of the rollout's process.
 
-    verl 0.9.1 updates the rollout's weights at the end of a step (``ray_trainer.py``), so training step
+    verl 0.9.1 updates the rollout's weights at the end of a step (``verl/trainer/ppo/v1/trainer_sync.py``,
+    ``on_step_end``; ``ray_trainer.py`` with ``trainer.use_v1=False``), so training step
     ``k`` generates between the lead trainer's ``verl.update_weights`` span of step ``k - 1`` and that of
     step ``k``. Inside that window (seconds):
 
     * ``gen: update end -> first request``: verl's own (the next batch, the agent-loop workers'
       dispatch); ``timing_s/gen`` starts inside it;
     * ``gen: first request -> last answer``: the rollout serving the step's requests
-      (``{"requests": n, "request median": s}`` as children);
-    * ``gen: last answer -> replica.sleep``: verl's agent loop turning answers into a batch;
+      (``{"requests": n, "last request in": s after the first, "request median": s}`` as children);
+    * ``gen: last answer -> replica.sleep``: the answers' way back to verl's driver; where the probe
+      saw them, its children are ``verl.client_generate returned`` (s after the last answer until the
+      last request's answer was back over Ray in verl's agent-loop worker), ``replay-buffer poll
+      sleep`` (s of the driver's replay-buffer poll sleeps after the last answer) and ``polls`` (how
+      many poll sleeps the step's ``timing_s/gen`` holds: it moves in steps of the 2 s interval);
     * ``gen: replica.sleep``: the slowest replica's sleep (the end of ``timing_s/gen``).
 
     Returns:
@@ -218,6 +228,8 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     updates = {step: ss[0] for step, ss in lead.items()}
     requests = [s for s in spans if s["name"] == GEN_REQUEST]
     sleeps = [s for s in spans if s["name"] == "replica.sleep"]
+    clients = [s for s in spans if s["name"] == "verl.client_generate"]
+    polls = [s for s in spans if s["name"] == POLL]
     out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
     for prev_step, w in sorted(updates.items()):
         t0 = _end(w)
@@ -229,11 +241,21 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
         first, last = min(s["t0"] for s in reqs), max(_end(s) for s in reqs)
         phases = [("gen: update end -> first request", first - t0, {}),
                   ("gen: first request -> last answer", last - first,
-                   {"requests": float(len(reqs)), "request median": med([s["dt"] for s in reqs])})]
+                   {"requests": float(len(reqs)), "last request in": max(s["t0"] for s in reqs) - first,
+                    "request median": med([s["dt"] for s in reqs])})]
         after = [s for s in sleeps if last <= s["t0"] < t1]
         if after:
             start = min(s["t0"] for s in after)
-            phases.append(("gen: last answer -> replica.sleep", start - last, {}))
+            back = {}
+            ends = [_end(s) for s in clients if t0 <= s["t0"] < last and _end(s) <= start]
+            if ends:
+                back["verl.client_generate returned"] = max(ends) - last
+            step_polls = [s for s in polls if t0 <= s["t0"] < start]
+            if step_polls:
+                back["replay-buffer poll sleep"] = sum(max(0.0, min(_end(s), start) - max(s["t0"], last))
+                                                       for s in step_polls)
+                back["polls"] = float(len(step_polls))
+            phases.append(("gen: last answer -> replica.sleep", start - last, back))
             phases.append(("gen: replica.sleep", max(_end(s) for s in after) - start, {}))
         out[prev_step + 1] = phases
     return out
@@ -467,20 +489,21 @@ def markdown(comparison: dict) -> str:
                               "`a / b`: b's share of phase a):")
         lines += _phase_table(runs, cols, "gen_phases", "gen_phase_order",
                               "Where `timing_s/gen` goes (median over steps after the first; ms, request counts as "
-                              "numbers; the first phase starts before verl's `gen` timer):")
+                              "numbers; the first phase starts before verl's `gen` timer; a row `a / b` under "
+                              "`last answer -> replica.sleep` is how long after the last answer b happened):")
     return "\n".join(lines) + "\n"
 
 
 def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: str) -> List[str]:
     """Markdown lines of one breakdown: a row per phase of any side's ``order_key``, the median of
-    ``runs[side][key][phase]`` per side (ms; a ``/ requests`` row as a count); none without phases."""
+    ``runs[side][key][phase]`` per side (ms; a ``/ requests`` or ``/ polls`` row as a count); none without phases."""
     labels = list(dict.fromkeys(n for s in cols for n in runs[s].get(order_key, [])))
     if not labels:
         return []
     out = [title, "", "| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
     for label in labels:
-        count = label.endswith(" / requests")
+        count = label.endswith((" / requests", " / polls"))
         cells = []
         for s in cols:
             v = runs[s].get(key, {}).get(label, {}).get("median")
