@@ -158,6 +158,44 @@ def test_patch_keeps_verl_dispatch_marks_and_install_hooks_imports(probe_dir, tm
     assert [s["name"] for s in spans_in(probe_dir)] == ["verl.update_weights", "late.go"]
 
 
+_MAKE_ACTOR_CLASS = textwrap.dedent("""
+    import sys
+    import cloudpickle, ray, verl  # verl loads the plugins: the probe's hooks
+    from sgl_rollout.integrations import verl_rollout
+    assert getattr(verl_rollout.VerlRolloutServer.generate, "_sgl_rollout_probe", False)
+    actor = ray.remote(verl_rollout._with_settings(verl_rollout.VerlRolloutServer, {}))
+    sys.stdout.buffer.write(cloudpickle.dumps(actor.__ray_metadata__.modified_class))
+""")
+
+_CALL_IN_A_FRESH_WORKER = textwrap.dedent("""
+    import asyncio, pickle, sys
+    cls = pickle.loads(sys.stdin.buffer.read())  # imports verl_rollout, which loads the probe mid-import
+    try:
+        asyncio.run(cls.generate(object.__new__(cls), [1], {}, "r", image_data=[1]))
+    except NotImplementedError:
+        print("refused")
+""")
+
+
+def test_a_ray_actor_method_stays_timed_in_a_worker_that_imports_it_before_the_probe(tmp_path):
+    """Ray copies an actor class's methods at ``ray.remote``; the worker that unpickles it imports
+    ``verl_rollout``, which imports verl, which loads the probe while ``verl_rollout`` is half imported,
+    so the worker's own copy of ``VerlRolloutServer.generate`` is never patched. The wrapper made where
+    the probe did patch it must travel by value and emit the span there."""
+    pytest.importorskip("verl")
+    pytest.importorskip("ray")
+    env = dict(os.environ, **{verl_probe.ENV_DIR: str(tmp_path / "spans"),
+                               "VERL_USE_EXTERNAL_PLUGINS": "sgl_rollout,sgl_rollout_probe"})
+    made = subprocess.run([sys.executable, "-c", _MAKE_ACTOR_CLASS], env=env, capture_output=True, timeout=300,
+                          cwd=tmp_path)
+    assert made.returncode == 0, made.stderr.decode()[-2000:]
+    called = subprocess.run([sys.executable, "-c", _CALL_IN_A_FRESH_WORKER], env=env, input=made.stdout,
+                            capture_output=True, timeout=300, cwd=tmp_path)
+    assert called.returncode == 0 and called.stdout.decode().strip() == "refused", called.stderr.decode()[-2000:]
+    spans = spans_in(tmp_path / "spans")
+    assert [(s["name"], s.get("error")) for s in spans] == [("server.generate", "NotImplementedError")]
+
+
 def test_install_is_inert_without_the_folder(monkeypatch):
     monkeypatch.delenv(verl_probe.ENV_DIR, raising=False)
     monkeypatch.setattr(verl_probe, "_installed", False)

@@ -179,9 +179,11 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     # step 1: requests from 11.0, the last answered at 12.4; then verl's agent loop, then the sleep at 13.0
     spans += [span("sglang.generate_request", 11.0 + 0.1 * i, 1.0 + 0.1 * i, pid=9) for i in range(3)]
     spans += [span("replica.sleep", 13.0, 0.25, pid=5)]
-    # the way back: verl's client has the last answer 0.2 s after SGLang's; the driver's replay buffer
+    # the way back: our server actor returns the last answer 0.1 s after SGLang's, verl's client has it
+    # 0.2 s after; the driver's replay buffer
     # sleeps from 10.5 to 12.3 (finding too few samples), then again from 12.3 to 12.9: 0.5 s of it after
     # the last answer
+    spans += [span("server.generate", 11.0 + 0.1 * i, 1.1 + 0.1 * i, pid=9) for i in range(3)]
     spans += [span("verl.client_generate", 10.9 + 0.1 * i, 1.3 + 0.1 * i, pid=7) for i in range(3)]
     spans += [span("verl.replay_buffer.poll", 10.5, 1.8, pid=5), span("verl.replay_buffer.poll", 12.3, 0.6, pid=5)]
     # step 2's single request, no sleep recorded
@@ -195,7 +197,7 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
                                                    "request median": pytest.approx(1.1)}
     secs, kids = phases["gen: last answer -> replica.sleep"]
     assert secs == pytest.approx(0.6)
-    assert kids == {"verl.client_generate returned": pytest.approx(0.2), "replay-buffer poll sleep": pytest.approx(0.5),
+    assert kids == {"server.generate returned": pytest.approx(0.1), "verl.client_generate returned": pytest.approx(0.2), "replay-buffer poll sleep": pytest.approx(0.5),
                     "polls": 2.0}
     assert phases["gen: replica.sleep"][0] == pytest.approx(0.25)
     assert [name for name, _s, _k in got[2]] == ["gen: update end -> first request", "gen: first request -> last answer"]

@@ -32,6 +32,7 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   (``server.*``);
 * the engine's process, per request: SGLang's ``TokenizerManager.generate_request`` until its answer
   (``sglang.generate_request``; both sides call it once per request and take the first item);
+  and this package's ``VerlRolloutServer.generate`` (``server.generate``, until the actor returns);
 * verl's agent-loop workers: ``LLMServerClient.generate`` per request (``verl.client_generate``, until
   the answer is back over Ray);
 * the driver (verl's TaskRunner), inside ``timing_s/gen``: the replay buffer of verl's default trainer
@@ -62,6 +63,32 @@ _installed = False
 #: ``verl.update_weights`` calls running in this process; spans marked ``window_only`` (the torch
 #: calls, frequent elsewhere) are emitted only while it is > 0.
 _window = 0
+
+
+def _open_window(n: int) -> None:
+    """Add ``n`` to this process's count of running ``verl.update_weights`` calls. A module function, not
+    a global the wrappers change, so that a wrapper pickled by value into a Ray worker (see
+    :func:`_mark`) counts in that worker's module."""
+    global _window
+    _window += n
+
+
+def _in_window() -> bool:
+    return _window > 0
+
+
+def _mark(wrapper: Callable, fn: Callable) -> Callable:
+    """Mark ``wrapper`` as the probe's, with a qualified name no attribute lookup finds.
+
+    Ray copies an actor class's methods when ``ray.remote`` makes it an actor, and cloudpickle sends
+    a function whose module and qualified name find it again *by reference*: the worker then looks it
+    up in its own copy of the module, which the probe may not have patched yet (verl loads the probe
+    as a plugin while that module is still importing, e.g. ``VerlRolloutServer``). A wrapper whose
+    ``__qualname__`` lookup fails is pickled by value and runs in the worker as it ran here.
+    """
+    wrapper._sgl_rollout_probe = True
+    wrapper.__qualname__ = f"{getattr(fn, '__qualname__', getattr(fn, '__name__', 'fn'))}.<probe>"
+    return wrapper
 
 
 def emit(name: str, t0: float, dt: float, **fields: Any) -> None:
@@ -174,11 +201,10 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def wrapper(*args, **kwargs):
-            global _window
-            if window_only and _window <= 0:
+            if window_only and not _in_window():
                 return await fn(*args, **kwargs)
             t0, c0, err = time.time(), time.perf_counter(), None
-            _window += window
+            _open_window(int(window))
             try:
                 out = await fn(*args, **kwargs)
                 return result(out) if result else out
@@ -186,12 +212,12 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
                 err = exc
                 raise
             finally:
-                _window -= window
+                _open_window(-int(window))
                 emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
     else:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            if window_only and _window <= 0:
+            if window_only and not _in_window():
                 return fn(*args, **kwargs)
             t0, c0 = time.time(), time.perf_counter()
             try:
@@ -214,8 +240,7 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
                 return finish()
             emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, None))
             return result(out) if result else out
-    wrapper._sgl_rollout_probe = True
-    return wrapper
+    return _mark(wrapper, fn)
 
 
 def _gen_result(name: str) -> Callable[[Any], Any]:
@@ -253,8 +278,7 @@ def _agen_factory(fn: Callable, name: str, first_item: bool = False) -> Callable
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         return timer(fn(*args, **kwargs).__aiter__(), name)
-    wrapper._sgl_rollout_probe = True
-    return wrapper
+    return _mark(wrapper, fn)
 
 
 def _tags_at(pos: int) -> Callable[[tuple, dict], str]:
@@ -309,9 +333,10 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
      {"agen": "sglang.generate_request", "first_item": True}),
-    # timing_s/gen after SGLang's answer: verl's client in the agent-loop worker getting it back over
-    # Ray, per request; the driver's replay buffer (verl's default trainer.use_v1) waiting for the
+    # timing_s/gen after SGLang's answer, per request: this package's server actor returning it, verl's
+    # client in the agent-loop worker getting it back over Ray; the driver's replay buffer (verl's default trainer.use_v1) waiting for the
     # step's samples, and each of its polls (a 2 s sleep in verl 0.9.1)
+    ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate", dict(name="server.generate")),
     ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.sample", dict(name="verl.replay_buffer.sample")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer._wait_for_next_poll", dict(name="verl.replay_buffer.poll")),

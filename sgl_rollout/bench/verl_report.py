@@ -215,8 +215,9 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     * ``gen: first request -> last answer``: the rollout serving the step's requests
       (``{"requests": n, "last request in": s after the first, "request median": s}`` as children);
     * ``gen: last answer -> replica.sleep``: the answers' way back to verl's driver; where the probe
-      saw them, its children are ``verl.client_generate returned`` (s after the last answer until the
-      last request's answer was back over Ray in verl's agent-loop worker), ``replay-buffer poll
+      saw them, its children are ``server.generate returned`` and ``verl.client_generate returned``
+      (s after the last answer until this package's server actor returned the last request, and until
+      its answer was back over Ray in verl's agent-loop worker), ``replay-buffer poll
       sleep`` (s of the driver's replay-buffer poll sleeps after the last answer) and ``polls`` (how
       many poll sleeps the step's ``timing_s/gen`` holds: it moves in steps of the 2 s interval);
     * ``gen: replica.sleep``: the slowest replica's sleep (the end of ``timing_s/gen``).
@@ -228,6 +229,7 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     updates = {step: ss[0] for step, ss in lead.items()}
     requests = [s for s in spans if s["name"] == GEN_REQUEST]
     sleeps = [s for s in spans if s["name"] == "replica.sleep"]
+    servers = [s for s in spans if s["name"] == "server.generate"]
     clients = [s for s in spans if s["name"] == "verl.client_generate"]
     polls = [s for s in spans if s["name"] == POLL]
     out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
@@ -247,9 +249,10 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
         if after:
             start = min(s["t0"] for s in after)
             back = {}
-            ends = [_end(s) for s in clients if t0 <= s["t0"] < last and _end(s) <= start]
-            if ends:
-                back["verl.client_generate returned"] = max(ends) - last
+            for label, among in (("server.generate returned", servers), ("verl.client_generate returned", clients)):
+                ends = [_end(s) for s in among if t0 <= s["t0"] < last and _end(s) <= start]
+                if ends:
+                    back[label] = max(ends) - last
             step_polls = [s for s in polls if t0 <= s["t0"] < start]
             if step_polls:
                 back["replay-buffer poll sleep"] = sum(max(0.0, min(_end(s), start) - max(s["t0"], last))
