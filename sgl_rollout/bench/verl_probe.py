@@ -32,7 +32,8 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   (``server.*``);
 * the engine's process, per request: SGLang's ``TokenizerManager.generate_request`` until its answer
   (``sglang.generate_request``; both sides call it once per request and take the first item);
-  and this package's ``VerlRolloutServer.generate`` (``server.generate``, until the actor returns);
+  and the server actor's ``generate`` (verl's ``SGLangHttpServer`` or this package's
+  ``VerlRolloutServer``: ``server.generate``, until the actor returns);
 * verl's agent-loop workers: ``LLMServerClient.generate`` per request (``verl.client_generate``, until
   the answer is back over Ray);
 * the driver (verl's TaskRunner), inside ``timing_s/gen``: the replay buffer of verl's default trainer
@@ -333,9 +334,11 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
      {"agen": "sglang.generate_request", "first_item": True}),
-    # timing_s/gen after SGLang's answer, per request: this package's server actor returning it, verl's
+    # timing_s/gen after SGLang's answer, per request: the server actor returning it (both sides), verl's
     # client in the agent-loop worker getting it back over Ray; the driver's replay buffer (verl's default trainer.use_v1) waiting for the
     # step's samples, and each of its polls (a 2 s sleep in verl 0.9.1)
+    ("verl.workers.rollout.sglang_rollout.async_sglang_server", "SGLangHttpServer.generate",
+     dict(name="server.generate")),
     ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate", dict(name="server.generate")),
     ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.sample", dict(name="verl.replay_buffer.sample")),

@@ -216,7 +216,7 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
       (``{"requests": n, "last request in": s after the first, "request median": s}`` as children);
     * ``gen: last answer -> replica.sleep``: the answers' way back to verl's driver; where the probe
       saw them, its children are ``server.generate returned`` and ``verl.client_generate returned``
-      (s after the last answer until this package's server actor returned the last request, and until
+      (s after the last answer until the server actor returned the last request, and until
       its answer was back over Ray in verl's agent-loop worker), ``replay-buffer poll
       sleep`` (s of the driver's replay-buffer poll sleeps after the last answer) and ``polls`` (how
       many poll sleeps the step's ``timing_s/gen`` holds: it moves in steps of the 2 s interval);
