@@ -220,3 +220,19 @@ def test_phase_table_prints_counts_as_numbers_and_times_in_ms():
     assert "| gen: first request -> last answer | 829.4 | 829.4 |" in lines
     assert "| gen: first request -> last answer / requests | 256 | 256 |" in lines
     assert "| gen: last answer -> replica.sleep / polls | 2 | 2 |" in lines
+
+
+def test_gen_less_the_sleep_is_reported_per_side(tmp_path):
+    """verl's wait for the samples (``timing_s/gen`` less that step's replica sleep) is a table row: each
+    later step's value is its ``timing_s/gen`` less one recorded ``replica.sleep``."""
+    comp, md, out = report_only(tmp_path, "complete")
+    for side in ("builtin", "ours"):
+        run = out / "pair1" / side
+        gens = later_values(run, "timing_s/gen")
+        sleeps = [s["dt"] for f in (run / "spans").glob("spans-*.jsonl") for line in f.read_text().splitlines()
+                  if (s := json.loads(line))["name"] == "replica.sleep"]
+        waits = comp["pairs"][0]["runs"][side]["metrics"][verl_report.GEN_WAIT_KEY]["values"]
+        assert len(waits) == len(gens) > 0
+        for g, w in zip(gens, waits):
+            assert any(abs(g - d - w) < 1e-9 for d in sleeps) and 0 < w < g
+    assert "| `timing_s/gen` less the replicas' sleep (verl's wait for the samples: 2 s polls) |" in md

@@ -34,6 +34,13 @@ TIMING_KEYS = ("timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timi
 #: verl's trainer memory metrics (``verl/utils/profiler``: the actor's torch peak, GB).
 MEMORY_KEYS = ("actor/perf/max_memory_allocated_gb", "actor/perf/max_memory_reserved_gb")
 UPDATE_KEY = "timing_s/update_weights"
+#: Derived per step: ``timing_s/gen`` less the slowest replica's sleep (the probe's ``replica.sleep``),
+#: i.e. verl's wait for the step's samples. verl 0.9.1's default trainer (``trainer.use_v1``) waits in
+#: its replay buffer's ``sample``, which sleeps its ``poll_interval`` (2 s) between checks
+#: (``verl/trainer/ppo/v1/replay_buffer.py``), so this moves in steps of about 2 s.
+GEN_WAIT_KEY = "timing_s/gen less replica.sleep"
+#: Rows of the metrics table, in order.
+TABLE_KEYS = TIMING_KEYS[:1] + (GEN_WAIT_KEY,) + TIMING_KEYS[1:] + MEMORY_KEYS
 
 #: Trainer-side spans that split ``verl.update_weights`` into phases; time between them is verl's own.
 TOP_SPANS = ("rollout.resume", "verl.get_per_tensor_param", "rollout.update_weights", "rollout.release")
@@ -287,7 +294,7 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         steps than planned were logged; ``"missing"``), ``exit_code`` (None: timed out or no ``run.json``),
         ``error``, ``steps`` (training steps logged), ``planned_steps``, ``metrics`` (key ->
         ``{"median", "p90", "n", "values"}`` over steps after the first, for :data:`TIMING_KEYS` and
-        :data:`MEMORY_KEYS`), ``reward`` and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
+        :data:`MEMORY_KEYS`, plus :data:`GEN_WAIT_KEY` where the probe recorded the sleeps), ``reward`` and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
         (largest device memory in use on any GPU during the run, GB = 1e9 bytes),
         ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, over the
         steps of ``metrics``: not the first, nor the sync verl runs before training, step 0) with
@@ -344,6 +351,12 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     collected = _collect_phases({k: v for k, v in per_step_phases.items() if k in later_steps})
     out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
     out["update_phase_order"] = order
+    sleep_by_step = {step: max(s["dt"] for s in sleeps) for step, ss in by_step.items()
+                     if (sleeps := [s for s in ss if s["name"] == "gen: replica.sleep"])}
+    waits = [g - sleep_by_step[r["step"]] for r in later
+             if (g := _num(r.get("timing_s/gen"))) is not None and r["step"] in sleep_by_step]
+    if waits:
+        metrics[GEN_WAIT_KEY] = {"median": med(waits), "p90": p90(waits), "n": len(waits), "values": waits}
     gen = {k: v for k, v in gen_breakdown(spans).items() if k in later_steps}
     out["gen_phase_order"] = list(dict.fromkeys(label for phases in gen.values() for name, _s, kids in phases
                                                  for label in [name] + [f"{name} / {k}" for k in kids]))
@@ -462,7 +475,7 @@ def markdown(comparison: dict) -> str:
                      + (" | sgl-rollout / built-in |" if len(cols) == 2 else " |"))
         lines.append("| --- | " + " | ".join("---:" for _ in cols) + (" | ---: |" if len(cols) == 2 else " |"))
         lines.append("| run | " + " | ".join(_status(runs[s]) for s in cols) + (" | |" if len(cols) == 2 else " |"))
-        for key in TIMING_KEYS + MEMORY_KEYS:
+        for key in TABLE_KEYS:
             if not any(key in runs[s].get("metrics", {}) for s in cols):
                 continue
             cells = [f"{_f(_metric(runs[s], key))} / {_f(_metric(runs[s], key, 'p90'))}" for s in cols]
@@ -470,7 +483,9 @@ def markdown(comparison: dict) -> str:
             if len(cols) == 2:
                 b, o = _metric(runs["builtin"], key), _metric(runs["ours"], key)
                 ratio = f" | {_f(o / b, '.2f')}x" if b and o is not None else " | n/a"
-            lines.append(f"| `{key}` | " + " | ".join(cells) + ratio + (" |" if ratio else " |"))
+            label = ("`timing_s/gen` less the replicas' sleep (verl's wait for the samples: 2 s polls)"
+                     if key == GEN_WAIT_KEY else f"`{key}`")
+            lines.append(f"| {label} | " + " | ".join(cells) + ratio + (" |" if ratio else " |"))
         nv = [f"{_f(runs[s].get('nvml_peak_gb'), '.1f', ' GB')}" for s in cols]
         lines.append("| peak device memory (NVML, any GPU) | " + " | ".join(nv) + (" | |" if len(cols) == 2 else " |"))
         rw = [f"{_f(_first(runs[s]['reward']))} -> {_f(_last(runs[s]['reward']))}" for s in cols]
