@@ -334,9 +334,10 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
      {"agen": "sglang.generate_request", "first_item": True}),
-    # timing_s/gen after SGLang's answer, per request: the server actor returning it (both sides), verl's
-    # client in the agent-loop worker getting it back over Ray; the driver's replay buffer (verl's default trainer.use_v1) waiting for the
-    # step's samples, and each of its polls (a 2 s sleep in verl 0.9.1)
+    # timing_s/gen after SGLang's answer, per request: the server actor returning it (both sides),
+    # verl's client in the agent-loop worker getting it back over Ray; the driver's replay buffer
+    # (verl's default trainer.use_v1) waiting for the step's samples, and each of its polls (a 2 s
+    # sleep in verl 0.9.1)
     ("verl.workers.rollout.sglang_rollout.async_sglang_server", "SGLangHttpServer.generate",
      dict(name="server.generate")),
     ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate", dict(name="server.generate")),

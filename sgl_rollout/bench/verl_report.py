@@ -256,7 +256,8 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
         if after:
             start = min(s["t0"] for s in after)
             back = {}
-            for label, among in (("server.generate returned", servers), ("verl.client_generate returned", clients)):
+            for label, among in (("server.generate returned", servers),
+                                 ("verl.client_generate returned", clients)):
                 ends = [_end(s) for s in among if t0 <= s["t0"] < last and _end(s) <= start]
                 if ends:
                     back[label] = max(ends) - last
@@ -294,7 +295,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         steps than planned were logged; ``"missing"``), ``exit_code`` (None: timed out or no ``run.json``),
         ``error``, ``steps`` (training steps logged), ``planned_steps``, ``metrics`` (key ->
         ``{"median", "p90", "n", "values"}`` over steps after the first, for :data:`TIMING_KEYS` and
-        :data:`MEMORY_KEYS`, plus :data:`GEN_WAIT_KEY` where the probe recorded the sleeps), ``reward`` and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
+        :data:`MEMORY_KEYS`, plus :data:`GEN_WAIT_KEY` where the probe recorded the sleeps), ``reward``
+        and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
         (largest device memory in use on any GPU during the run, GB = 1e9 bytes),
         ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, over the
         steps of ``metrics``: not the first, nor the sync verl runs before training, step 0) with
