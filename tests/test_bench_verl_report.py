@@ -197,8 +197,8 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
                                                    "request median": pytest.approx(1.1)}
     secs, kids = phases["gen: last answer -> replica.sleep"]
     assert secs == pytest.approx(0.6)
-    assert kids == {"server.generate returned": pytest.approx(0.1), "verl.client_generate returned": pytest.approx(0.2), "replay-buffer poll sleep": pytest.approx(0.5),
-                    "polls": 2.0}
+    assert kids == {"server.generate returned": pytest.approx(0.1), "verl.client_generate returned": pytest.approx(0.2),
+                    "replay-buffer poll sleep": pytest.approx(0.5), "polls": 2.0}
     assert phases["gen: replica.sleep"][0] == pytest.approx(0.25)
     assert [name for name, _s, _k in got[2]] == ["gen: update end -> first request", "gen: first request -> last answer"]
     assert got[2][0][1] == pytest.approx(1.0)
