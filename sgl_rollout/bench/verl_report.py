@@ -234,11 +234,11 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     """
     lead = steps_of(spans)
     updates = {step: ss[0] for step, ss in lead.items()}
-    requests = [s for s in spans if s["name"] == GEN_REQUEST]
-    sleeps = [s for s in spans if s["name"] == "replica.sleep"]
-    servers = [s for s in spans if s["name"] == "server.generate"]
-    clients = [s for s in spans if s["name"] == "verl.client_generate"]
-    polls = [s for s in spans if s["name"] == POLL]
+    named: Dict[str, List[dict]] = {}
+    for s in spans:
+        named.setdefault(s["name"], []).append(s)
+    requests, sleeps, polls = named.get(GEN_REQUEST, []), named.get("replica.sleep", []), named.get(POLL, [])
+    servers, clients = named.get("server.generate", []), named.get("verl.client_generate", [])
     out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
     for prev_step, w in sorted(updates.items()):
         t0 = _end(w)
@@ -338,12 +338,14 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
     later_steps = {r["step"] for r in later}
     per_step_phases = {}
+    sleep_by_step: Dict[int, float] = {}  # the slowest replica's sleep ending each step's gen, s
     order: List[str] = []
     for step, ss in by_step.items():
         phases = update_breakdown([s for s in ss if not s["name"].startswith("gen: ")], update_by_step.get(step))
         sleeps = [s for s in ss if s["name"] == "gen: replica.sleep"]
         if sleeps:
-            phases.append(("gen: replica.sleep (slowest replica)", max(s["dt"] for s in sleeps), {}))
+            sleep_by_step[step] = max(s["dt"] for s in sleeps)
+            phases.append(("gen: replica.sleep (slowest replica)", sleep_by_step[step], {}))
         per_step_phases[step] = phases
         for name, _secs, kids in phases:
             for n in [name] + [f"{name} / {k}" for k in kids]:
@@ -353,8 +355,6 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     collected = _collect_phases({k: v for k, v in per_step_phases.items() if k in later_steps})
     out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
     out["update_phase_order"] = order
-    sleep_by_step = {step: max(s["dt"] for s in sleeps) for step, ss in by_step.items()
-                     if (sleeps := [s for s in ss if s["name"] == "gen: replica.sleep"])}
     waits = [g - sleep_by_step[r["step"]] for r in later
              if (g := _num(r.get("timing_s/gen"))) is not None and r["step"] in sleep_by_step]
     if waits:
