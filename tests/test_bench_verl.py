@@ -126,6 +126,50 @@ def test_a_request_is_timed_at_its_first_item_even_if_never_closed(probe_dir):
     assert 0.015 <= span["dt"] < 5 and not span.get("busy")
 
 
+def test_stall_watchers_report_a_blocked_loop_and_a_held_gil(probe_dir, monkeypatch):
+    """The server's ``generate`` wrapper starts a loop watcher on its loop and one GIL watcher per process;
+    each reports only a stall longer than ``STALL_S`` (the spans a slow replica's request path shows)."""
+    import threading
+    import time
+    import weakref
+
+    monkeypatch.setattr(verl_probe, "_stall_stop", threading.Event())
+    monkeypatch.setattr(verl_probe, "_watched_loops", weakref.WeakSet())
+    monkeypatch.setattr(verl_probe, "_gil_watch_started", False)
+
+    async def generate(prompt_ids):
+        return list(prompt_ids)
+
+    wrapped = verl_probe.timed(generate, "server.generate", watch=True)
+
+    async def main():
+        assert await wrapped([1, 2]) == [1, 2]
+        await asyncio.sleep(0.05)  # quiet: nothing reported
+        quiet = [s["name"] for s in spans_in(probe_dir)]
+        time.sleep(0.08)  # blocks the loop; the GIL is released, so the GIL watcher stays quiet
+        await asyncio.sleep(0.03)
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:  # pure Python holding the GIL: no other thread runs
+            t = time.perf_counter()
+            while time.perf_counter() - t < 0.08:
+                pass
+        finally:
+            sys.setswitchinterval(old)
+        await asyncio.sleep(0.05)
+        return quiet
+
+    quiet = asyncio.run(main())
+    verl_probe._stall_stop.set()
+    assert quiet == ["server.generate"]
+    got = spans_in(probe_dir)
+    loop_stalls = [s for s in got if s["name"] == "probe.loop_stall"]
+    gil_stalls = [s for s in got if s["name"] == "probe.gil_stall"]
+    assert len(loop_stalls) == 2 and all(0.05 < s["dt"] < 0.5 for s in loop_stalls)
+    assert {s["thread"] for s in loop_stalls} == {threading.current_thread().name}
+    assert len(gil_stalls) == 1 and 0.05 < gil_stalls[0]["dt"] < 0.5
+
+
 def test_patch_keeps_verl_dispatch_marks_and_install_hooks_imports(probe_dir, tmp_path, monkeypatch):
     """verl's ``register`` marks (the worker group reads them) survive; a module imported after install()
     is patched by wrapt's post-import hook."""

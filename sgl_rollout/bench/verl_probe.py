@@ -35,7 +35,11 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   and the server actor's ``generate`` (verl's ``SGLangHttpServer`` or this package's
   ``VerlRolloutServer``: ``server.generate``, until the actor returns);
 * verl's agent-loop workers: ``LLMServerClient.generate`` per request (``verl.client_generate``, until
-  the answer is back over Ray);
+  the answer is back over Ray), and its round trip to verl's load balancer first
+  (``LLMServerClient._acquire_server``: ``verl.acquire_server``);
+* stalls in the engine's process: its event loops and its GIL, each watched by a ticker that reports
+  waking more than :data:`STALL_S` late (``probe.loop_stall``, ``probe.gil_stall``; see
+  :func:`_watch_stalls`);
 * the driver (verl's TaskRunner), inside ``timing_s/gen``: the replay buffer of verl's default trainer
   (``trainer.use_v1``, ``verl/trainer/ppo/v1/replay_buffer.py``) waiting for the step's samples
   (``ReplayBuffer.sample``: ``verl.replay_buffer.sample``) and each of its polls
@@ -53,6 +57,7 @@ import json
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 #: Environment variable naming the folder the spans go to; unset, the probe installs nothing.
@@ -114,6 +119,61 @@ def emit(name: str, t0: float, dt: float, **fields: Any) -> None:
         _file.write(line)
 
 
+#: A loop or thread stalled longer than this (seconds) gets a ``probe.loop_stall`` / ``probe.gil_stall`` span.
+STALL_S = 0.02
+_TICK_S = 0.005
+_watched_loops: "weakref.WeakSet" = weakref.WeakSet()
+_gil_watch_started = False
+#: Set to stop every stall watcher of this process (tests).
+_stall_stop = threading.Event()
+
+
+def _watch_stalls() -> None:
+    """Start, once per event loop and once per process, the stall watchers of the engine's process.
+
+    Called from the wrappers of the server actor's ``generate`` and SGLang's ``generate_request``, so
+    it runs on the actor's loop and on the loop SGLang's tokenizer manager runs on (the same loop for
+    verl's server; this package's engine thread otherwise). A task sleeping ``_TICK_S`` on that loop
+    emits ``probe.loop_stall`` (``dt``: how late it woke, ``thread``: the loop's thread) when it woke
+    more than :data:`STALL_S` late: the loop ran something else that long. A daemon thread sleeping
+    ``_TICK_S`` emits ``probe.gil_stall`` the same way: another thread of the process held the GIL
+    (or the CPU was taken) that long.
+    """
+    import asyncio
+
+    global _gil_watch_started
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    stop = _stall_stop
+    if loop not in _watched_loops:
+        _watched_loops.add(loop)
+        thread = threading.current_thread().name
+
+        async def watch_loop():
+            while not stop.is_set():
+                c0 = time.perf_counter()
+                await asyncio.sleep(_TICK_S)
+                late = time.perf_counter() - c0 - _TICK_S
+                if late > STALL_S:
+                    emit("probe.loop_stall", time.time() - late, late, thread=thread)
+
+        loop.create_task(watch_loop())
+    if not _gil_watch_started:
+        _gil_watch_started = True
+
+        def watch_gil():
+            while not stop.is_set():
+                c0 = time.perf_counter()
+                time.sleep(_TICK_S)
+                late = time.perf_counter() - c0 - _TICK_S
+                if late > STALL_S:
+                    emit("probe.gil_stall", time.time() - late, late)
+
+        threading.Thread(target=watch_gil, name="sgl-rollout-probe-gil", daemon=True).start()
+
+
 def _rank() -> Optional[int]:
     raw = os.environ.get("RANK")
     return int(raw) if raw and raw.isdigit() else None
@@ -172,7 +232,7 @@ async def _timed_aiter(ait, name: str):
 
 def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str]] = None,
           step_kw: Optional[str] = None, result: Optional[Callable[[Any], Any]] = None,
-          window: bool = False, window_only: bool = False) -> Callable:
+          window: bool = False, window_only: bool = False, watch: bool = False) -> Callable:
     """``fn`` wrapped to emit a span per call (a coroutine function stays one; attributes such as verl's
     dispatch-mode marks are kept by ``functools.wraps``).
 
@@ -184,6 +244,7 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
         window: this call is verl's weight update: while it runs, ``window_only`` spans are emitted.
         window_only: emit only inside a ``window`` call of this process (torch's ``empty_cache``,
             ``synchronize``, ``barrier``: called often elsewhere).
+        watch: start the stall watchers (:func:`_watch_stalls`) on the first call.
     """
     if getattr(fn, "_sgl_rollout_probe", False):
         return fn
@@ -204,6 +265,8 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
         async def wrapper(*args, **kwargs):
             if window_only and not _in_window():
                 return await fn(*args, **kwargs)
+            if watch:
+                _watch_stalls()
             t0, c0, err = time.time(), time.perf_counter(), None
             _open_window(int(window))
             try:
@@ -271,13 +334,16 @@ async def _first_item_aiter(ait, name: str):
         yield item
 
 
-def _agen_factory(fn: Callable, name: str, first_item: bool = False) -> Callable:
+def _agen_factory(fn: Callable, name: str, first_item: bool = False, watch: bool = False) -> Callable:
     """A function returning ``fn(...)``'s async iterator timed as busy ``name`` (``first_item``: as
-    :func:`_first_item_aiter`)."""
+    :func:`_first_item_aiter`; ``watch``: start the stall watchers on the caller's loop, see
+    :func:`_watch_stalls`)."""
     timer = _first_item_aiter if first_item else _timed_aiter
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        if watch:
+            _watch_stalls()
         return timer(fn(*args, **kwargs).__aiter__(), name)
     return _mark(wrapper, fn)
 
@@ -292,7 +358,7 @@ def _stage_of(args, kwargs) -> str:
 
 
 #: (module, attribute path, how): what :func:`install` wraps. ``how`` is a dict of :func:`timed`'s
-#: arguments, or ``{"agen": name, "first_item"?: bool}`` for an async-generator function or method.
+#: arguments, or ``{"agen": name, "first_item"?: bool, "watch"?: bool}`` for an async-generator function or method.
 TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # driver (TaskRunner): the replicas' sleep at the end of timing_s/gen
     ("verl.workers.rollout.replica", "RolloutReplica.sleep", dict(name="replica.sleep")),
@@ -333,15 +399,17 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("sgl_rollout.ray", "RolloutServer.sleep", dict(name="server.sleep")),
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
-     {"agen": "sglang.generate_request", "first_item": True}),
+     {"agen": "sglang.generate_request", "first_item": True, "watch": True}),
     # timing_s/gen after SGLang's answer, per request: the server actor returning it (both sides),
     # verl's client in the agent-loop worker getting it back over Ray; the driver's replay buffer
     # (verl's default trainer.use_v1) waiting for the step's samples, and each of its polls (a 2 s
     # sleep in verl 0.9.1)
     ("verl.workers.rollout.sglang_rollout.async_sglang_server", "SGLangHttpServer.generate",
-     dict(name="server.generate")),
-    ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate", dict(name="server.generate")),
+     dict(name="server.generate", watch=True)),
+    ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate", dict(name="server.generate", watch=True)),
     ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
+    # the client's round trip to verl's load balancer actor before it calls the server
+    ("verl.workers.rollout.llm_server", "LLMServerClient._acquire_server", dict(name="verl.acquire_server")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.sample", dict(name="verl.replay_buffer.sample")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer._wait_for_next_poll", dict(name="verl.replay_buffer.poll")),
     ("sgl_rollout.ray", "RolloutServer.resume_stage", dict(name="server.resume", name_of=_stage_of)),
@@ -363,7 +431,7 @@ def _patch(module, path: str, how: Dict[str, Any]) -> bool:
     if fn is None or not callable(fn):
         return False
     if "agen" in how:
-        new = _agen_factory(fn, how["agen"], first_item=how.get("first_item", False))
+        new = _agen_factory(fn, how["agen"], first_item=how.get("first_item", False), watch=how.get("watch", False))
     else:
         new = timed(fn, **how)
     setattr(owner, attr, new)
