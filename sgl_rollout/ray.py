@@ -69,12 +69,19 @@ def merge_visible_devices(per_worker: Sequence[str]) -> str:
     return ",".join(str(i) for i in sorted(ids))
 
 
+#: ``SGL_ROLLOUT_ENGINE_LOOP=thread`` in the server actor's environment runs SGLang's coroutines on the
+#: engine's own thread instead of the actor's event loop (to compare the two; see
+#: :meth:`RolloutServer.engine_loop`).
+ENGINE_LOOP_ENV = "SGL_ROLLOUT_ENGINE_LOOP"
+
+
 class RolloutServer:
     """Ray actor body hosting one :class:`~sgl_rollout.worker.RolloutWorker` (the engine starts in :meth:`start`).
 
     All methods are coroutines so that Ray runs the actor as an async actor: generation requests
-    from many clients overlap and SGLang batches them. Memory transitions go through the same
-    guards as the in-process worker (:class:`~sgl_rollout.memory.MemoryStateError` on a bad call).
+    from many clients overlap and SGLang batches them. SGLang's tokenizer manager runs on the actor's
+    own event loop (:meth:`engine_loop`), so a request goes from Ray to SGLang without crossing a
+    thread. Memory transitions go through the same guards as the in-process worker (:class:`~sgl_rollout.memory.MemoryStateError` on a bad call).
 
     Args:
         config: rollout settings, or a dict of them.
@@ -101,6 +108,31 @@ class RolloutServer:
         self.node_hosts: list = []
         self.node_timeline: List[dict] = []
         self._node_watch = None
+
+    @staticmethod
+    def engine_loop():
+        """The event loop the engine runs SGLang's coroutines on, or None for the engine's own thread.
+
+        The actor's running loop, as verl's ``SGLangHttpServer`` runs SGLang
+        (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``): a request then reaches
+        SGLang's tokenizer manager on the thread Ray delivered it on, and its answer goes back the
+        same way, with no hand-over to a second thread that must win the GIL from the first
+        (measured in verl's run on two H100: see ``examples/verl/compare/``). None (the engine's own
+        thread) when called outside a running loop, on the main thread (SGLang's tokenizer manager
+        would install its SIGQUIT handler there, which ends the process when a scheduler dies;
+        Ray runs an async actor's loop in another thread), or with ``SGL_ROLLOUT_ENGINE_LOOP=thread``.
+        """
+        import asyncio
+        import threading
+
+        if os.environ.get(ENGINE_LOOP_ENV, "").strip().lower() == "thread":
+            return None
+        if threading.current_thread() is threading.main_thread():
+            return None
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            return None
 
     def _leader_config(self) -> RolloutConfig:
         """The config with this node's part of :attr:`layout` (SGLang's ``nnodes``, ``node_rank``,
@@ -171,7 +203,7 @@ class RolloutServer:
             config = self._leader_config()
             refs = self._start_nodes()
         try:
-            engine = RolloutEngine(config, engine_factory=self.engine_factory)
+            engine = RolloutEngine(config, engine_factory=self.engine_factory, loop=self.engine_loop())
         except BaseException:
             await self._stop_nodes()
             raise

@@ -202,6 +202,36 @@ def test_patch_keeps_verl_dispatch_marks_and_install_hooks_imports(probe_dir, tm
     assert [s["name"] for s in spans_in(probe_dir)] == ["verl.update_weights", "late.go"]
 
 
+def test_a_wrapped_method_of_a_class_pickled_by_value_leaves_its_globals_behind(probe_dir, tmp_path, monkeypatch):
+    """verl colocates its trainer workers into a class made at run time (``WorkerDict``), which Ray
+    pickles by value with the worker's methods; a wrapped method must still go by reference, or the
+    verl method inside it goes along with its globals (on the GPU host a torch config module, which
+    cannot be pickled: every run failed at start-up)."""
+    import cloudpickle
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "probe_worker_mod.py").write_text(
+        "import threading\nLOCK = threading.Lock()\n"
+        "class Worker:\n    def update_weights(self):\n        with LOCK:\n            return 3\n")
+    monkeypatch.syspath_prepend(str(pkg))
+    import probe_worker_mod
+
+    assert verl_probe._patch(probe_worker_mod, "Worker.update_weights", dict(name="verl.update_weights"))
+
+    def colocate(cls):
+        class WorkerDict:  # local: pickled by value, its methods with it
+            update_weights = cls.update_weights
+        return WorkerDict
+
+    restored = cloudpickle.loads(cloudpickle.dumps(colocate(probe_worker_mod.Worker)))
+    assert restored.update_weights(None) == 3
+    assert [s["name"] for s in spans_in(probe_dir)] == ["verl.update_weights"]
+    with pytest.raises(TypeError, match="lock"):  # what by-value pickling of the same method does
+        cloudpickle.dumps(colocate(type("W", (), {"update_weights": verl_probe.timed(
+            probe_worker_mod.Worker.update_weights.__wrapped__, "x", by_value=True)})))
+
+
 _MAKE_ACTOR_CLASS = textwrap.dedent("""
     import sys
     import cloudpickle, ray, verl  # verl loads the plugins: the probe's hooks

@@ -47,3 +47,104 @@ def test_async_guards_and_calls(monkeypatch):
     kinds = [c[0] for c in fake.calls]
     assert kinds == ["generate", "release", "resume", "update_weights", "resume", "flush_cache"]
     assert not fake.dead
+
+
+def _on_a_loop_thread(scenario):
+    """Run ``scenario()`` on an event loop in a thread of its own, as Ray runs an async actor's loop."""
+    import threading
+
+    box = {}
+
+    def main():
+        try:
+            box["result"] = asyncio.run(scenario())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=main, name="actor-loop")
+    t.start()
+    t.join(60)
+    assert not t.is_alive()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def test_an_engine_on_the_callers_loop_runs_sglang_there_and_refuses_waiting_calls():
+    """``RolloutEngine(loop=...)``: SGLang's coroutines run on the caller's loop (no thread hand-over);
+    a synchronous call that waits for SGLang raises there before anything is sent."""
+    import threading
+
+    async def scenario():
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=asyncio.get_running_loop())
+        fake, seen = eng._engine, []
+        plain = fake.async_generate
+
+        async def recorded(*args, **kwargs):
+            seen.append(threading.current_thread().name)
+            return await plain(*args, **kwargs)
+
+        fake.async_generate = recorded
+        try:
+            assert eng._loop_thread is None
+            out = await asyncio.gather(*[eng.async_generate([[i, i + 1]], {"max_new_tokens": 2}) for i in range(4)])
+            assert [o[0][0].output_ids for o in out] == [[i + 2, i + 3] for i in range(4)]
+            assert seen == ["actor-loop"] * 4
+            with pytest.raises(RuntimeError, match="async_"):
+                eng.release(["kv_cache"])
+            with pytest.raises(RuntimeError, match="async_"):
+                eng.generate([[1]])
+            assert not eng.state.released and [c[0] for c in fake.calls] == ["generate"] * 4
+            assert await eng.async_release(["kv_cache", "weights"]) == ["kv_cache", "weights"]
+            await eng.async_resume(["weights", "kv_cache"])
+            await eng.async_begin_sync()
+            eng.end_sync(True)
+            assert [c[0] for c in fake.calls][4:] == ["release", "resume"]
+        finally:
+            eng.shutdown()
+        await asyncio.sleep(0.01)  # the loop is the caller's: shutdown leaves it running
+        return "done"
+
+    assert _on_a_loop_thread(scenario) == "done"
+
+
+def test_a_death_on_the_callers_loop_fails_the_call_and_spares_the_loop():
+    """A scheduler death fails the request in flight with EngineDeadError and cancels only the engine's
+    own coroutines: the caller's other tasks keep running, and restart() serves on the same loop."""
+    import threading
+
+    from sgl_rollout.engine import EngineDeadError
+
+    async def scenario():
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=asyncio.get_running_loop(), watch_interval_s=0.05)
+        ticks = []
+
+        async def other_work():
+            while True:
+                ticks.append(1)
+                await asyncio.sleep(0.005)
+
+        bystander = asyncio.get_running_loop().create_task(other_work())
+        try:
+            fake = eng._engine
+            fake.block = threading.Event()
+            req = asyncio.get_running_loop().create_task(eng.async_generate([[1, 2]], {"max_new_tokens": 2}))
+            while not fake.entered.is_set():
+                await asyncio.sleep(0.005)
+            fake.kill_scheduler()
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(req, 10)
+            before = len(ticks)
+            await asyncio.sleep(0.05)
+            assert not bystander.done() and len(ticks) > before
+            eng.restart()
+            out = await eng.async_generate([[5]], {"max_new_tokens": 1})
+            assert out[0][0].output_ids == [6]
+        finally:
+            bystander.cancel()
+            eng.shutdown()
+        return "done"
+
+    assert _on_a_loop_thread(scenario) == "done"

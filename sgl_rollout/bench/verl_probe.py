@@ -83,17 +83,23 @@ def _in_window() -> bool:
     return _window > 0
 
 
-def _mark(wrapper: Callable, fn: Callable) -> Callable:
-    """Mark ``wrapper`` as the probe's, with a qualified name no attribute lookup finds.
+def _mark(wrapper: Callable, fn: Callable, by_value: bool = False) -> Callable:
+    """Mark ``wrapper`` as the probe's; with ``by_value``, also give it a qualified name no attribute
+    lookup finds.
 
     Ray copies an actor class's methods when ``ray.remote`` makes it an actor, and cloudpickle sends
     a function whose module and qualified name find it again *by reference*: the worker then looks it
-    up in its own copy of the module, which the probe may not have patched yet (verl loads the probe
-    as a plugin while that module is still importing, e.g. ``VerlRolloutServer``). A wrapper whose
-    ``__qualname__`` lookup fails is pickled by value and runs in the worker as it ran here.
+    up in its own copy of the module. Where the probe never patched that copy, because verl loaded the
+    probe while the module was still importing (``VerlRolloutServer``: its module imports verl), the
+    worker runs the bare method. A wrapper whose ``__qualname__`` lookup fails is pickled by value and
+    runs in the worker as it ran here; so is the original method inside it (its lookup finds the
+    wrapper), with every global it uses. That is why only such targets are sent by value: verl's
+    trainer workers are colocated into a class pickled by value, and a verl method carried along
+    with its globals (a torch config module among them) cannot be pickled at all.
     """
     wrapper._sgl_rollout_probe = True
-    wrapper.__qualname__ = f"{getattr(fn, '__qualname__', getattr(fn, '__name__', 'fn'))}.<probe>"
+    if by_value:
+        wrapper.__qualname__ = f"{getattr(fn, '__qualname__', getattr(fn, '__name__', 'fn'))}.<probe>"
     return wrapper
 
 
@@ -232,7 +238,8 @@ async def _timed_aiter(ait, name: str):
 
 def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str]] = None,
           step_kw: Optional[str] = None, result: Optional[Callable[[Any], Any]] = None,
-          window: bool = False, window_only: bool = False, watch: bool = False) -> Callable:
+          window: bool = False, window_only: bool = False, watch: bool = False,
+          by_value: bool = False) -> Callable:
     """``fn`` wrapped to emit a span per call (a coroutine function stays one; attributes such as verl's
     dispatch-mode marks are kept by ``functools.wraps``).
 
@@ -245,6 +252,7 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
         window_only: emit only inside a ``window`` call of this process (torch's ``empty_cache``,
             ``synchronize``, ``barrier``: called often elsewhere).
         watch: start the stall watchers (:func:`_watch_stalls`) on the first call.
+        by_value: pickle the wrapper by value (see :func:`_mark`).
     """
     if getattr(fn, "_sgl_rollout_probe", False):
         return fn
@@ -304,7 +312,7 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
                 return finish()
             emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, None))
             return result(out) if result else out
-    return _mark(wrapper, fn)
+    return _mark(wrapper, fn, by_value)
 
 
 def _gen_result(name: str) -> Callable[[Any], Any]:
@@ -406,7 +414,8 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # sleep in verl 0.9.1)
     ("verl.workers.rollout.sglang_rollout.async_sglang_server", "SGLangHttpServer.generate",
      dict(name="server.generate", watch=True)),
-    ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate", dict(name="server.generate", watch=True)),
+    ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate",
+     dict(name="server.generate", watch=True, by_value=True)),
     ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
     # the client's round trip to verl's load balancer actor before it calls the server
     ("verl.workers.rollout.llm_server", "LLMServerClient._acquire_server", dict(name="verl.acquire_server")),

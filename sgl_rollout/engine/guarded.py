@@ -3,7 +3,8 @@
 :class:`RolloutEngine` starts ``sglang.Engine`` in the environment :mod:`.lifecycle` prepares, keeps the
 memory tags' state (:class:`~sgl_rollout.memory.MemoryState`) so that a release of a released tag, a
 resume of a resident one or a release while requests run is refused before SGLang sees it, runs SGLang's
-tokenizer-manager coroutines on its own event loop, and turns a dead engine process into
+tokenizer-manager coroutines on one event loop (its own thread's, or the caller's: a Ray async actor's),
+and turns a dead engine process into
 :class:`~.lifecycle.EngineDeadError` for every call in flight and after (with :meth:`RolloutEngine.restart`).
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -96,12 +98,24 @@ def _check_tp_for_sglang(config: RolloutConfig) -> None:
 
 
 
+def _waits(method: Callable) -> Callable:
+    """Mark a synchronous method that waits for SGLang's answer: on the thread of a borrowed loop
+    (``RolloutEngine(loop=...)``) it raises RuntimeError before anything reaches SGLang."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        self._check_not_on_loop()
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
 class RolloutEngine:
     """SGLang engine for rollouts: generation, guarded release/resume and weight sync, contained death.
 
-    Every call to SGLang runs as a coroutine of its tokenizer manager on one event loop in a thread of
-    this object (``sgl-rollout-engine``); the synchronous methods wait for it, the ``async_`` ones
-    await it from any other loop (a Ray async actor's, say). So:
+    Every call to SGLang runs as a coroutine of its tokenizer manager on one event loop: by default in a
+    thread of this object (``sgl-rollout-engine``), where the synchronous methods wait for it and the
+    ``async_`` ones await it from any other loop; or, with ``loop``, on the caller's own loop (a Ray
+    async actor's, as verl's ``SGLangHttpServer`` runs SGLang), where the ``async_`` methods are
+    awaited on that loop and no request crosses a thread. So:
 
     * a release, resume or weight sync changes :attr:`state` when SGLang *answers*, even if its caller
       was interrupted (KeyboardInterrupt, ``asyncio.wait_for`` timeout, ``ray.cancel``); the next call
@@ -127,6 +141,11 @@ class RolloutEngine:
         disable_tp_imbalance_check: switch SGLang's TP memory-imbalance start-up check off (default),
             so that colocated workers that loaded in any order do not stop the engine from starting.
         watch_interval_s: seconds between two looks of the watchdog at the engine's processes.
+        loop: a running event loop, not the main thread's, to run SGLang's coroutines on instead of
+            the engine's own thread (the loop of a Ray async actor). Its thread may then call only the
+            ``async_`` methods and the ones that do not wait for SGLang (``end_sync``, ``abort_all``,
+            ``fail``, ``restart``, ``shutdown``); a waiting method raises RuntimeError there. A death
+            or shutdown cancels this engine's coroutines on it, never the loop.
 
     Raises:
         ImportError: SGLang is not installed.
@@ -141,8 +160,11 @@ class RolloutEngine:
         engine_factory: Optional[Callable[..., Any]] = None,
         disable_tp_imbalance_check: bool = True,
         watch_interval_s: float = 0.2,
+        loop: Optional[asyncio.AbstractEventLoop] = None,
     ):
         self.config = config
+        self._home_loop = loop
+        self._inner: set = set()
         self._factory = engine_factory
         self._disable_tp_imbalance_check = disable_tp_imbalance_check
         self._watch_interval_s = watch_interval_s
@@ -198,9 +220,13 @@ class RolloutEngine:
             raise
         self._engine = self._procs.engine
         self._dead = None
-        self._loop = asyncio.new_event_loop()
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sgl-rollout-engine", daemon=True)
-        self._loop_thread.start()
+        if self._home_loop is not None:
+            self._loop, self._loop_thread = self._home_loop, None
+        else:
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(target=self._loop.run_forever, name="sgl-rollout-engine",
+                                                 daemon=True)
+            self._loop_thread.start()
         logger.info("SGLang engine up: tp=%d, child processes %s", self.config.tensor_model_parallel_size, self._child_pids)
 
     @property
@@ -239,7 +265,15 @@ class RolloutEngine:
                 task.cancel()
             self._loop.call_soon(self._loop.stop)
 
-        self._loop.call_soon_threadsafe(stop_loop)
+        def stop_ours() -> None:  # a borrowed loop: only this engine's calls and SGLang's own tasks
+            for fut in list(self._inner):
+                fut.cancel()
+            for task in list(getattr(tm, "asyncio_tasks", ())):
+                task.cancel()
+
+        tm = getattr(self._engine, "tokenizer_manager", None)
+        with contextlib.suppress(RuntimeError):  # a borrowed loop that is already closed
+            self._loop.call_soon_threadsafe(stop_loop if self._loop_thread is not None else stop_ours)
         self._procs.stop()
 
     def fail(self, reason: str) -> None:
@@ -310,8 +344,10 @@ class RolloutEngine:
             return await make_coro()
 
         inner = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        self._inner.add(inner)
 
         def finish(f: concurrent.futures.Future) -> None:
+            self._inner.discard(f)
             exc = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
             if on_done is not None:
                 on_done(exc)
@@ -329,6 +365,17 @@ class RolloutEngine:
 
         inner.add_done_callback(finish)
         return outer
+
+    def _check_not_on_loop(self) -> None:
+        """Refuse a waiting call on the thread of a borrowed loop: SGLang's answer needs that loop."""
+        if self._loop_thread is None:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            if running is self._loop:
+                raise RuntimeError("this engine runs SGLang on this thread's event loop: use the async_ "
+                                   "methods here (a synchronous call would wait for itself)")
 
     @staticmethod
     def _wait(fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None):
@@ -348,6 +395,7 @@ class RolloutEngine:
                 on_cancel()
             raise
 
+    @_waits
     def settle(self) -> None:
         """Wait until the last release/resume/sync bucket has been answered by SGLang (it may have been
         sent by a caller that was interrupted), so that :attr:`state` is what the engine holds.
@@ -435,6 +483,7 @@ class RolloutEngine:
         self._loop.call_soon_threadsafe(abort)
         logger.warning("generate interrupted: aborting %d request(s) in SGLang", len(rids))
 
+    @_waits
     def generate(
         self,
         input_ids: List[List[int]],
@@ -492,6 +541,7 @@ class RolloutEngine:
         self._loop.call_soon_threadsafe(lambda: self._tm().abort_request(abort_all=True))
 
     # ----------------------------------------------------------------- memory
+    @_waits
     def release(self, tags: Optional[Sequence[str]] = None) -> List[str]:
         """Release the memory of ``tags`` (None: all of this engine's tags).
 
@@ -508,6 +558,7 @@ class RolloutEngine:
         self._wait(self._start_op("release", tags, released=True))
         return tags
 
+    @_waits
     def resume(self, tags: Optional[Sequence[str]] = None) -> List[str]:
         """Resume the memory of ``tags`` (None: all of this engine's tags).
 
@@ -539,6 +590,7 @@ class RolloutEngine:
         return tags
 
     # ----------------------------------------------------------------- weights
+    @_waits
     def begin_sync(self) -> None:
         """Fence off generates for a weight sync (waits for the last release/resume to be answered).
 
@@ -613,6 +665,7 @@ class RolloutEngine:
         self._sync_bytes_sent = True
         return self._submit_sync_op(lambda: self._tm().update_weights_from_tensor(req, None))
 
+    @_waits
     def update_weights_from_tensor(self, named_tensors: list, load_format: Optional[str] = None, flush_cache: bool = False):
         """SGLang's ``update_weights_from_tensor`` for one bucket, inside :meth:`begin_sync` / :meth:`end_sync`.
 
@@ -738,6 +791,7 @@ class RolloutEngine:
         if not getattr(out, "success", False):
             raise RuntimeError(f"SGLang did not load LoRA adapter {name!r}: {getattr(out, 'error_message', out)}")
 
+    @_waits
     def load_lora_adapter_from_tensors(self, name: str, tensors, config_dict: Optional[Dict[str, Any]] = None,
                                        load_format: Optional[str] = "flattened_bucket") -> LoraAdapter:
         """Load a LoRA adapter into SGLang (``load_lora_adapter_from_tensors``), replacing the version
@@ -801,6 +855,7 @@ class RolloutEngine:
 
         return self._submit_sync_op(unload)
 
+    @_waits
     def unload_lora_adapter(self, name: str) -> None:
         """Unload the adapter served under ``name``, inside :meth:`begin_sync` / :meth:`end_sync`.
 
@@ -819,6 +874,7 @@ class RolloutEngine:
         if not getattr(out, "success", False):
             raise RuntimeError(f"SGLang did not unload LoRA adapter {name!r}: {getattr(out, 'error_message', out)}")
 
+    @_waits
     def flush_cache(self) -> None:
         """Drop SGLang's prefix (radix) cache, stale after new weights.
 
