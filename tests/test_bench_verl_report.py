@@ -186,15 +186,25 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     spans += [span("server.generate", 11.0 + 0.1 * i, 1.1 + 0.1 * i, pid=9) for i in range(3)]
     spans += [span("verl.client_generate", 10.9 + 0.1 * i, 1.3 + 0.1 * i, pid=7) for i in range(3)]
     spans += [span("verl.replay_buffer.poll", 10.5, 1.8, pid=5), span("verl.replay_buffer.poll", 12.3, 0.6, pid=5)]
+    # the way in: verl's load balancer answers each client in 0.04-0.06 s; the engine process's loop
+    # stalls twice (0.03 and 0.12 s) while the step is served, once after it; its GIL never
+    spans += [span("verl.acquire_server", 10.9 + 0.1 * i, 0.04 + 0.01 * i, pid=7) for i in range(3)]
+    spans += [span("probe.loop_stall", 11.05, 0.03, pid=9), span("probe.loop_stall", 11.5, 0.12, pid=9),
+              span("probe.loop_stall", 12.9, 0.5, pid=9)]
     # step 2's single request, no sleep recorded
     spans += [span("sglang.generate_request", 31.5, 0.75, pid=9)]
     got = verl_report.gen_breakdown(spans)
     assert sorted(got) == [1, 2]
     phases = {name: (secs, kids) for name, secs, kids in got[1]}
-    assert phases["gen: update end -> first request"][0] == pytest.approx(0.5)
+    secs, kids = phases["gen: update end -> first request"]
+    assert secs == pytest.approx(0.5)
+    assert kids == {"verl.client_generate": pytest.approx(0.4), "server.generate": pytest.approx(0.5)}
     secs, kids = phases["gen: first request -> last answer"]
-    assert secs == pytest.approx(1.4) and kids == {"requests": 3.0, "last request in": pytest.approx(0.2),
-                                                   "request median": pytest.approx(1.1)}
+    assert secs == pytest.approx(1.4) and kids == {
+        "requests": 3.0, "last request in": pytest.approx(0.2), "request median": pytest.approx(1.1),
+        "client -> SGLang, k-th request": pytest.approx(0.1), "server -> SGLang, k-th request": pytest.approx(0.0),
+        "load-balancer round trip": pytest.approx(0.05), "loop stalls": 2.0, "longest loop stall": pytest.approx(0.12),
+        "GIL stalls": 0.0, "longest GIL stall": 0.0}
     secs, kids = phases["gen: last answer -> replica.sleep"]
     assert secs == pytest.approx(0.6)
     assert kids == {"server.generate returned": pytest.approx(0.1), "verl.client_generate returned": pytest.approx(0.2),

@@ -148,3 +148,75 @@ def test_a_death_on_the_callers_loop_fails_the_call_and_spares_the_loop():
         return "done"
 
     assert _on_a_loop_thread(scenario) == "done"
+
+
+def test_a_cancelled_caller_on_the_callers_loop_aborts_its_request_which_stays_counted():
+    """On the caller's loop SGLang's coroutine is a task of that loop: cancelling the caller aborts the
+    request by id, and it counts as running (a release is refused) until SGLang has ended it."""
+    import threading
+
+    async def scenario():
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=asyncio.get_running_loop())
+        fake = eng._engine
+        fake.block = threading.Event()
+        fake.tokenizer_manager.abort_request = lambda rid="", abort_all=False: fake.calls.append(("abort", rid))
+        try:
+            task = asyncio.get_running_loop().create_task(eng.async_generate([[1], [2]], {"max_new_tokens": 1}))
+            while not fake.entered.is_set():
+                await asyncio.sleep(0.002)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.02)
+            assert len([c for c in fake.calls if c[0] == "abort"]) == 2 and eng.state.in_flight == 1
+            with pytest.raises(MemoryStateError, match="request"):
+                await eng.async_release(["kv_cache"])
+            fake.block.set()  # SGLang ends them
+            for _ in range(200):
+                if not eng.state.in_flight:
+                    break
+                await asyncio.sleep(0.005)
+            assert eng.state.in_flight == 0
+            assert await eng.async_release(["kv_cache"]) == ["kv_cache"]
+            assert not fake.dead
+        finally:
+            eng.shutdown()
+        return "done"
+
+    assert _on_a_loop_thread(scenario) == "done"
+
+
+def test_a_death_that_cancels_the_task_before_failing_the_call_still_raises_engine_dead(monkeypatch):
+    """The engine's death cancels its tasks on the caller's loop, and fails the calls in flight from the
+    watchdog's thread: whichever comes first, the caller gets EngineDeadError, not CancelledError."""
+    import threading
+    import time
+
+    from sgl_rollout.engine import EngineDeadError
+
+    real_fail = RolloutEngine._fail_pending
+
+    def fail_late(self, exc):
+        time.sleep(0.2)  # the loop has cancelled the task meanwhile
+        real_fail(self, exc)
+
+    monkeypatch.setattr(RolloutEngine, "_fail_pending", fail_late)
+
+    async def scenario():
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=asyncio.get_running_loop(), watch_interval_s=0.05)
+        fake = eng._engine
+        fake.block = threading.Event()
+        try:
+            req = asyncio.get_running_loop().create_task(eng.async_generate([[1]], {"max_new_tokens": 1}))
+            while not fake.entered.is_set():
+                await asyncio.sleep(0.002)
+            fake.kill_scheduler()
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(req, 10)
+        finally:
+            eng.shutdown()
+        return "done"
+
+    assert _on_a_loop_thread(scenario) == "done"

@@ -4,7 +4,10 @@
   metrics and the weight update split into phases (:mod:`.verl_compare`, :mod:`.verl_report`,
   :mod:`.verl_probe`);
 * ``sync``, ``lora``, ``gather``: the weight sync into one SGLang engine, an adapter sync against a full
-  sync, the sender's copy primitives (:mod:`.sync`).
+  sync, the sender's copy primitives (:mod:`.sync`);
+* ``requests``: what the guarded engine adds per generate request, on the CPU with an engine double
+  (:mod:`.requests`);
+* ``scale``: sync and switch cost at 8, 64 and 1,000 GPUs, on paper (:mod:`.scale`).
 
 :mod:`.models` makes the Llama-shaped model folders they (and the GPU tests) use.
 """

@@ -1,4 +1,4 @@
-"""``python -m sgl_rollout.bench {verl,sync,lora,gather,scale}``: see :mod:`sgl_rollout.bench`."""
+"""``python -m sgl_rollout.bench {verl,sync,lora,gather,scale,requests}``: see :mod:`sgl_rollout.bench`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmarks' command line."""
-    from . import scale, verl_compare
+    from . import requests, scale, verl_compare
 
     p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench",
                                 description="Benchmarks of sgl-rollout (GPU; verl compares in verl's own trainer).")
@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="bench_gather.json")
     sc = sub.add_parser("scale", help="scale on paper: sync and switch cost at 8, 64 and 1,000 GPUs (no GPU)")
     scale.add_arguments(sc)
+    rq = sub.add_parser("requests", help="the guarded engine's own cost per generate request (CPU, engine double)")
+    requests.add_arguments(rq)
     return p
 
 
@@ -46,6 +48,10 @@ def main(argv=None) -> int:
         from . import scale
 
         return scale.main(args)
+    if args.cmd == "requests":
+        from . import requests
+
+        return requests.main(args)
     import torch
 
     from . import sync

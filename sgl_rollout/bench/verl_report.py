@@ -218,9 +218,16 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     step ``k``. Inside that window (seconds):
 
     * ``gen: update end -> first request``: verl's own (the next batch, the agent-loop workers'
-      dispatch); ``timing_s/gen`` starts inside it;
+      dispatch); ``timing_s/gen`` starts inside it. Where the probe saw them, its children say when
+      the step's first request left verl's client (``verl.client_generate``) and reached the server
+      actor (``server.generate``), s after the update's end;
     * ``gen: first request -> last answer``: the rollout serving the step's requests
       (``{"requests": n, "last request in": s after the first, "request median": s}`` as children);
+      with the client's and server's spans also ``client -> SGLang, k-th request`` and ``server ->
+      SGLang, k-th request`` (median over k of the k-th arrival at SGLang less the k-th send: the way
+      in, without matching request ids), ``load-balancer round trip`` (median ``verl.acquire_server``),
+      and, in a run whose probe saw stalls (``probe.loop_stall``, ``probe.gil_stall``), their count
+      and the longest (s) from the update's end to the last answer;
     * ``gen: last answer -> replica.sleep``: the answers' way back to verl's driver; where the probe
       saw them, its children are ``server.generate returned`` and ``verl.client_generate returned``
       (s after the last answer until the server actor returned the last request, and until
@@ -239,6 +246,7 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
         named.setdefault(s["name"], []).append(s)
     requests, sleeps, polls = named.get(GEN_REQUEST, []), named.get("replica.sleep", []), named.get(POLL, [])
     servers, clients = named.get("server.generate", []), named.get("verl.client_generate", [])
+    stalls_seen = bool(named.get("probe.loop_stall") or named.get("probe.gil_stall"))
     out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
     for prev_step, w in sorted(updates.items()):
         t0 = _end(w)
@@ -248,10 +256,26 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
         if not reqs:
             continue
         first, last = min(s["t0"] for s in reqs), max(_end(s) for s in reqs)
-        phases = [("gen: update end -> first request", first - t0, {}),
-                  ("gen: first request -> last answer", last - first,
-                   {"requests": float(len(reqs)), "last request in": max(s["t0"] for s in reqs) - first,
-                    "request median": med([s["dt"] for s in reqs])})]
+        lead_in: Dict[str, float] = {}
+        serving = {"requests": float(len(reqs)), "last request in": max(s["t0"] for s in reqs) - first,
+                   "request median": med([s["dt"] for s in reqs])}
+        arrivals = sorted(s["t0"] for s in reqs)
+        for label, among in (("verl.client_generate", clients), ("server.generate", servers)):
+            sent = sorted(s["t0"] for s in among if t0 <= s["t0"] < last)
+            if sent:
+                lead_in[label] = sent[0] - t0
+                way_in = "client -> SGLang" if label == "verl.client_generate" else "server -> SGLang"
+                serving[f"{way_in}, k-th request"] = med([a - b for a, b in zip(arrivals, sent)])
+        acquires = [s["dt"] for s in named.get("verl.acquire_server", []) if t0 <= s["t0"] < last]
+        if acquires:
+            serving["load-balancer round trip"] = med(acquires)
+        for label, name in (("loop", "probe.loop_stall"), ("GIL", "probe.gil_stall")):
+            if stalls_seen:
+                seen = [s["dt"] for s in named.get(name, []) if t0 <= s["t0"] < last]
+                serving[f"{label} stalls"] = float(len(seen))
+                serving[f"longest {label} stall"] = max(seen, default=0.0)
+        phases = [("gen: update end -> first request", first - t0, lead_in),
+                  ("gen: first request -> last answer", last - first, serving)]
         after = [s for s in sleeps if last <= s["t0"] < t1]
         if after:
             start = min(s["t0"] for s in after)
@@ -516,14 +540,15 @@ def markdown(comparison: dict) -> str:
 
 def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: str) -> List[str]:
     """Markdown lines of one breakdown: a row per phase of any side's ``order_key``, the median of
-    ``runs[side][key][phase]`` per side (ms; a ``/ requests`` or ``/ polls`` row as a count); none without phases."""
+    ``runs[side][key][phase]`` per side (ms; a ``/ requests``, ``/ polls`` or ``stalls`` row as a count); none
+    without phases."""
     labels = list(dict.fromkeys(n for s in cols for n in runs[s].get(order_key, [])))
     if not labels:
         return []
     out = [title, "", "| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
     for label in labels:
-        count = label.endswith((" / requests", " / polls"))
+        count = label.endswith((" / requests", " / polls", " stalls"))
         cells = []
         for s in cols:
             v = runs[s].get(key, {}).get(label, {}).get("median")

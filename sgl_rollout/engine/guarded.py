@@ -266,11 +266,14 @@ class RolloutEngine:
             self._loop.call_soon(self._loop.stop)
 
         def stop_ours() -> None:  # a borrowed loop: only this engine's calls and SGLang's own tasks
-            for fut in list(self._inner):
+            for fut in doomed:
                 fut.cancel()
             for task in list(getattr(tm, "asyncio_tasks", ())):
                 task.cancel()
 
+        # taken now: a restart's new engine takes calls on the same loop before stop_ours runs
+        with self._pending_lock:
+            doomed = list(self._inner)
         tm = getattr(self._engine, "tokenizer_manager", None)
         with contextlib.suppress(RuntimeError):  # a borrowed loop that is already closed
             self._loop.call_soon_threadsafe(stop_loop if self._loop_thread is not None else stop_ours)
@@ -340,14 +343,20 @@ class RolloutEngine:
         with self._pending_lock:
             self._pending.add(outer)
 
-        async def run():
-            return await make_coro()
+        if self._on_home_loop():  # the caller's own loop: a task of it, awaited directly (see _await)
+            inner = self._loop.create_task(make_coro())
+            outer.task = inner
+        else:
+            async def run():
+                return await make_coro()
 
-        inner = asyncio.run_coroutine_threadsafe(run(), self._loop)
-        self._inner.add(inner)
+            inner = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        with self._pending_lock:
+            self._inner.add(inner)
 
         def finish(f: concurrent.futures.Future) -> None:
-            self._inner.discard(f)
+            with self._pending_lock:
+                self._inner.discard(f)
             exc = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
             if on_done is not None:
                 on_done(exc)
@@ -366,16 +375,20 @@ class RolloutEngine:
         inner.add_done_callback(finish)
         return outer
 
+    def _on_home_loop(self) -> bool:
+        """True when called from inside the borrowed loop SGLang runs on (``RolloutEngine(loop=...)``)."""
+        if self._loop_thread is not None:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
     def _check_not_on_loop(self) -> None:
         """Refuse a waiting call on the thread of a borrowed loop: SGLang's answer needs that loop."""
-        if self._loop_thread is None:
-            try:
-                running = asyncio.get_running_loop()
-            except RuntimeError:
-                return
-            if running is self._loop:
-                raise RuntimeError("this engine runs SGLang on this thread's event loop: use the async_ "
-                                   "methods here (a synchronous call would wait for itself)")
+        if self._on_home_loop():
+            raise RuntimeError("this engine runs SGLang on this thread's event loop: use the async_ "
+                               "methods here (a synchronous call would wait for itself)")
 
     @staticmethod
     def _wait(fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None):
@@ -388,8 +401,19 @@ class RolloutEngine:
 
     @staticmethod
     async def _await(fut: concurrent.futures.Future, on_cancel: Optional[Callable[[], None]] = None):
+        task = getattr(fut, "task", None)
         try:  # shielded: a cancelled caller must not cancel the record of SGLang's answer
-            return await asyncio.shield(asyncio.wrap_future(fut))
+            if task is None:
+                return await asyncio.shield(asyncio.wrap_future(fut))
+            # a task of this very loop (_submit): no hop through thread-safe futures. Its done-callback
+            # (_submit's finish) has resolved ``fut`` before this coroutine resumes.
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this caller was cancelled
+                return await asyncio.wrap_future(fut)  # the engine's death or shutdown: its error
+            return fut.result()
         except BaseException:
             if not fut.done() and on_cancel is not None:
                 on_cancel()

@@ -1,0 +1,43 @@
+"""``python -m sgl_rollout.bench requests`` on the CPU: every way serves every request its own answer, and
+the command prints and writes one figure per way (the figures themselves are not asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sgl_rollout.bench import requests
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("mode", requests.MODES)
+def test_each_way_answers_every_request_and_times_the_rounds(mode):
+    res = requests.measure(mode, requests=24, rounds=3, warmup=1, output_len=4)
+    assert res["mode"] == mode and res["requests"] == 24 and len(res["rounds"]) == 3
+    assert all(r["in_s"] > 0 and r["back_s"] >= 0 for r in res["rounds"])
+    assert res["in_s"] == sorted(r["in_s"] for r in res["rounds"])[1]
+
+
+def test_a_wrong_answer_is_caught(monkeypatch):
+    real = requests.BatchAnswerEngine.async_generate
+
+    async def swapped(self, input_ids, *args, **kwargs):
+        out = await real(self, input_ids, *args, **kwargs)
+        return [dict(o, output_ids=o["output_ids"][::-1]) for o in out]
+
+    monkeypatch.setattr(requests.BatchAnswerEngine, "async_generate", swapped)
+    with pytest.raises(AssertionError, match="not their request's"):
+        requests.measure("caller-loop", requests=8, rounds=1, warmup=0, output_len=3)
+
+
+def test_the_command_prints_a_row_per_way_and_writes_the_json(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "sgl_rollout.bench", "requests", "--requests", "16", "--rounds", "2",
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [ln.split()[0] for ln in proc.stdout.splitlines()[2:] if ln.strip()]
+    assert rows == list(requests.MODES)
+    assert [r["mode"] for r in json.loads(out.read_text())] == list(requests.MODES)
