@@ -51,23 +51,9 @@ def test_async_guards_and_calls(monkeypatch):
 
 def _on_a_loop_thread(scenario):
     """Run ``scenario()`` on an event loop in a thread of its own, as Ray runs an async actor's loop."""
-    import threading
+    from sgl_rollout.bench.requests import on_a_loop_thread
 
-    box = {}
-
-    def main():
-        try:
-            box["result"] = asyncio.run(scenario())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            box["error"] = exc
-
-    t = threading.Thread(target=main, name="actor-loop")
-    t.start()
-    t.join(60)
-    assert not t.is_alive()
-    if "error" in box:
-        raise box["error"]
-    return box["result"]
+    return on_a_loop_thread(scenario, timeout_s=60)
 
 
 def test_an_engine_on_the_callers_loop_runs_sglang_there_and_refuses_waiting_calls():

@@ -29,7 +29,7 @@ import statistics
 import threading
 import time
 import types
-from typing import Any, Dict, List, Optional
+from typing import Any, Awaitable, Callable, Dict, List, Optional
 
 MODES = ("sglang", "caller-loop", "engine-thread")
 
@@ -89,6 +89,32 @@ async def _round(call, engine: BatchAnswerEngine, requests: int) -> Dict[str, fl
     return {"in_s": engine.answered_at - t0, "back_s": max(done) - engine.answered_at}
 
 
+def on_a_loop_thread(make_coro: Callable[[], Awaitable[Any]], name: str = "actor-loop",
+                     timeout_s: Optional[float] = None) -> Any:
+    """``asyncio.run(make_coro())`` in a new thread (as Ray runs an async actor's loop, off the main
+    thread); returns its result or raises its exception here.
+
+    Raises:
+        TimeoutError: still running after ``timeout_s`` seconds (None: no limit).
+    """
+    box: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = asyncio.run(make_coro())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{name} still running after {timeout_s} s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def measure(mode: str, requests: int = 256, rounds: int = 10, warmup: int = 2,
             output_len: int = 128) -> Dict[str, Any]:
     """Time ``rounds`` rounds of ``requests`` concurrent requests through ``mode`` (one of :data:`MODES`).
@@ -128,20 +154,7 @@ def measure(mode: str, requests: int = 256, rounds: int = 10, warmup: int = 2,
             if engine is not None:
                 engine.shutdown()
 
-    box: Dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["rounds"] = asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name="bench-actor-loop")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    per = box["rounds"]
+    per = on_a_loop_thread(main)
     return {"mode": mode, "requests": requests, "rounds": per,
             "in_s": statistics.median(r["in_s"] for r in per), "back_s": statistics.median(r["back_s"] for r in per)}
 
