@@ -49,6 +49,8 @@ def test_dead_engine_under_ray_raises_and_restart_recovers(cluster):
     server = ray.remote(FakeServer).options(max_concurrency=16).remote(cfg)
     ray.get(server.start.remote())
     assert ray.get(server.__ray_call__.remote(lambda self: self.sigquit_handled)) is True
+    # the engine runs SGLang on the actor's own loop (Ray runs it off the main thread), not on a thread of its own
+    assert ray.get(server.__ray_call__.remote(lambda self: self.worker.engine._loop_thread is None)) is True
     pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
     os.kill(pid, signal.SIGQUIT)  # what SGLang's dying scheduler sends: the actor must survive it
     out = ray.get(server.generate_batch.remote([[1, 2]], {"max_new_tokens": 1}), timeout=30)
