@@ -81,7 +81,8 @@ class RolloutServer:
     All methods are coroutines so that Ray runs the actor as an async actor: generation requests
     from many clients overlap and SGLang batches them. SGLang's tokenizer manager runs on the actor's
     own event loop (:meth:`engine_loop`), so a request goes from Ray to SGLang without crossing a
-    thread. Memory transitions go through the same guards as the in-process worker (:class:`~sgl_rollout.memory.MemoryStateError` on a bad call).
+    thread. Memory transitions go through the same guards as the in-process worker
+    (:class:`~sgl_rollout.memory.MemoryStateError` on a bad call).
 
     Args:
         config: rollout settings, or a dict of them.
@@ -116,8 +117,9 @@ class RolloutServer:
         The actor's running loop, as verl's ``SGLangHttpServer`` runs SGLang
         (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``): a request then reaches
         SGLang's tokenizer manager on the thread Ray delivered it on, and its answer goes back the
-        same way, with no hand-over to a second thread that must win the GIL from the first
-        (measured in verl's run on two H100: see ``examples/verl/compare/``). None (the engine's own
+        same way, with no hand-over to a second thread that must win the GIL from the first (what
+        that costs per request on the CPU: ``python -m sgl_rollout.bench requests``; in verl's run on two
+        H100, one run per way did not separate them: ``examples/verl/compare/``). None (the engine's own
         thread) when called outside a running loop, on the main thread (SGLang's tokenizer manager
         would install its SIGQUIT handler there, which ends the process when a scheduler dies;
         Ray runs an async actor's loop in another thread), or with ``SGL_ROLLOUT_ENGINE_LOOP=thread``.

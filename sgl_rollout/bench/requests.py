@@ -167,9 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench_requests.json")
 
 
-def main(args: argparse.Namespace, modes: Optional[List[str]] = None) -> int:
+def main(args: argparse.Namespace) -> int:
     """Measure each mode, print a table (ms per round, microseconds per request) and write ``args.out``."""
-    results = [measure(m, args.requests, args.rounds) for m in (modes or args.modes.split(","))]
+    results = [measure(m, args.requests, args.rounds) for m in args.modes.split(",")]
     n = args.requests
     print(f"{n} concurrent requests, median of {args.rounds} rounds (CPU, engine double):")
     print(f"{'mode':<14}{'all in (ms)':>12}{'all back (ms)':>14}{'us/request in':>15}{'us/request back':>17}")

@@ -366,7 +366,8 @@ def _stage_of(args, kwargs) -> str:
 
 
 #: (module, attribute path, how): what :func:`install` wraps. ``how`` is a dict of :func:`timed`'s
-#: arguments, or ``{"agen": name, "first_item"?: bool, "watch"?: bool}`` for an async-generator function or method.
+#: arguments, or ``{"agen": name, "first_item"?: bool, "watch"?: bool}`` (:func:`_agen_factory`'s) for an
+#: async-generator function or method.
 TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # driver (TaskRunner): the replicas' sleep at the end of timing_s/gen
     ("verl.workers.rollout.replica", "RolloutReplica.sleep", dict(name="replica.sleep")),
@@ -440,7 +441,7 @@ def _patch(module, path: str, how: Dict[str, Any]) -> bool:
     if fn is None or not callable(fn):
         return False
     if "agen" in how:
-        new = _agen_factory(fn, how["agen"], first_item=how.get("first_item", False), watch=how.get("watch", False))
+        new = _agen_factory(fn, **{("name" if k == "agen" else k): v for k, v in how.items()})
     else:
         new = timed(fn, **how)
     setattr(owner, attr, new)

@@ -260,20 +260,19 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
         serving = {"requests": float(len(reqs)), "last request in": max(s["t0"] for s in reqs) - first,
                    "request median": med([s["dt"] for s in reqs])}
         arrivals = sorted(s["t0"] for s in reqs)
-        for label, among in (("verl.client_generate", clients), ("server.generate", servers)):
+        for label, way_in, among in (("verl.client_generate", "client -> SGLang", clients),
+                                     ("server.generate", "server -> SGLang", servers)):
             sent = sorted(s["t0"] for s in among if t0 <= s["t0"] < last)
             if sent:
                 lead_in[label] = sent[0] - t0
-                way_in = "client -> SGLang" if label == "verl.client_generate" else "server -> SGLang"
                 serving[f"{way_in}, k-th request"] = med([a - b for a, b in zip(arrivals, sent)])
         acquires = [s["dt"] for s in named.get("verl.acquire_server", []) if t0 <= s["t0"] < last]
         if acquires:
             serving["load-balancer round trip"] = med(acquires)
-        for label, name in (("loop", "probe.loop_stall"), ("GIL", "probe.gil_stall")):
-            if stalls_seen:
-                seen = [s["dt"] for s in named.get(name, []) if t0 <= s["t0"] < last]
-                serving[f"{label} stalls"] = float(len(seen))
-                serving[f"longest {label} stall"] = max(seen, default=0.0)
+        for label, name in (("loop", "probe.loop_stall"), ("GIL", "probe.gil_stall")) if stalls_seen else ():
+            seen = [s["dt"] for s in named.get(name, []) if t0 <= s["t0"] < last]
+            serving[f"{label} stalls"] = float(len(seen))
+            serving[f"longest {label} stall"] = max(seen, default=0.0)
         phases = [("gen: update end -> first request", first - t0, lead_in),
                   ("gen: first request -> last answer", last - first, serving)]
         after = [s for s in sleeps if last <= s["t0"] < t1]

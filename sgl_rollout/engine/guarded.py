@@ -276,7 +276,7 @@ class RolloutEngine:
             doomed = list(self._inner)
         tm = getattr(self._engine, "tokenizer_manager", None)
         with contextlib.suppress(RuntimeError):  # a borrowed loop that is already closed
-            self._loop.call_soon_threadsafe(stop_loop if self._loop_thread is not None else stop_ours)
+            self._loop.call_soon_threadsafe(stop_loop if self._home_loop is None else stop_ours)
         self._procs.stop()
 
     def fail(self, reason: str) -> None:
@@ -377,7 +377,7 @@ class RolloutEngine:
 
     def _on_home_loop(self) -> bool:
         """True when called from inside the borrowed loop SGLang runs on (``RolloutEngine(loop=...)``)."""
-        if self._loop_thread is not None:
+        if self._home_loop is None:
             return False
         try:
             return asyncio.get_running_loop() is self._loop
