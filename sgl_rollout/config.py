@@ -26,8 +26,9 @@ MANAGED_SERVER_ARGS: Dict[str, str] = {
     "disable_cuda_graph": "enforce_eager",
     "max_running_requests": "max_num_seqs",
     "load_format": "load_format",
-    "disable_piecewise_cuda_graph": "(always on: piecewise CUDA graphs are never released)",
-    "enforce_piecewise_cuda_graph": "(refused: piecewise CUDA graphs are never released, so sleep would free too little)",
+    "disable_piecewise_cuda_graph": "piecewise_cuda_graph (off by default: their memory is never released)",
+    "enforce_piecewise_cuda_graph": "piecewise_cuda_graph (it lets SGLang's own checks turn them off where they "
+                                    "do not work; enforcing skips those checks)",
     "custom_sigquit_handler": "(set by sgl-rollout: its handler keeps the trainer alive when the engine dies)",
     "enable_lora": "lora_rank (> 0 starts the engine with LoRA)",
     "max_lora_rank": "lora_rank",
@@ -128,6 +129,13 @@ class RolloutConfig(BaseModel):
         max_num_seqs: most requests running at once (SGLang ``max_running_requests``); None lets
             SGLang choose.
         load_format: SGLang load format; ``"dummy"`` gives random weights without reading files.
+        piecewise_cuda_graph: let SGLang capture piecewise CUDA graphs for prefill and extend batches
+            (SGLang 0.5.10's default, which verl's built-in server keeps; SGLang still turns them off for
+            LoRA, GGUF, multimodal models and more, ``ServerArgs._handle_piecewise_cuda_graph`` in
+            ``sglang/srt/server_args.py``). Off by default here: they are captured outside
+            torch-memory-saver's regions (``sglang/srt/model_executor/piecewise_cuda_graph_runner.py``), so
+            sleep does not release them and their memory (about 1 GB per GPU for a 1.1B model; see README)
+            stays held while the trainer runs. SGLang ``disable_piecewise_cuda_graph`` is its inverse.
         fast_sync: sync weights through this package's copy-plan loader inside SGLang
             (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
             one persistent IPC buffer per engine and one batched copy per bucket on each side. Models
@@ -173,6 +181,7 @@ class RolloutConfig(BaseModel):
     enforce_eager: bool = False
     max_num_seqs: Optional[int] = Field(None, ge=1)
     load_format: str = "auto"
+    piecewise_cuda_graph: bool = False
     fast_sync: bool = False
     layered_summon: bool = False
     validate_sync: bool = True
@@ -266,8 +275,8 @@ class RolloutConfig(BaseModel):
     def to_server_args(self) -> Dict[str, Any]:
         """Keyword arguments for ``sglang.Engine(**kwargs)``.
 
-        The memory saver is always on and piecewise CUDA graphs always off: without the first,
-        release/resume silently free nothing; the second are never released (SGLang 0.5.10).
+        The memory saver is always on: without it release/resume silently free nothing (SGLang 0.5.10).
+        Piecewise CUDA graphs are off unless ``piecewise_cuda_graph`` is set: they are never released.
         ``engine_kwargs`` is checked again here, so a dict mutated after validation cannot undo them.
 
         Raises:
@@ -283,7 +292,7 @@ class RolloutConfig(BaseModel):
             enable_memory_saver=True,
             enable_weights_cpu_backup=self.enable_weights_cpu_backup,
             disable_cuda_graph=self.enforce_eager,
-            disable_piecewise_cuda_graph=True,
+            disable_piecewise_cuda_graph=not self.piecewise_cuda_graph,
             load_format=self.load_format,
         )
         if self.max_num_seqs is not None:

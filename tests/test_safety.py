@@ -437,8 +437,10 @@ def test_failed_load_reported_and_retry_succeeds(worker):
 
 
 def test_engine_kwargs_that_undo_the_package_are_refused():
-    with pytest.raises(ValueError, match="enforce_piecewise_cuda_graph"):
+    with pytest.raises(ValueError, match="enforce_piecewise_cuda_graph -> piecewise_cuda_graph"):
         RolloutConfig(model_path="/m", engine_kwargs={"enforce_piecewise_cuda_graph": True})
+    with pytest.raises(ValueError, match="disable_piecewise_cuda_graph -> piecewise_cuda_graph"):
+        RolloutConfig(model_path="/m", engine_kwargs={"disable_piecewise_cuda_graph": False})
     cfg = RolloutConfig(model_path="/m", engine_kwargs={"attention_backend": "triton"})
     for key, value in (("enable_memory_saver", False), ("tp_size", 4), ("enforce_piecewise_cuda_graph", True)):
         cfg.engine_kwargs[key] = value  # mutated after validation

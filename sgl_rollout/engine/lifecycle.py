@@ -7,7 +7,7 @@ works (each learnt from its source):
   (``TorchMemorySaverAdapter`` is a no-op, ``sglang/srt/utils/torch_memory_saver_adapter.py``);
 * ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``: otherwise CUDA-graph memory is not tagged
   (``CudaGraphRunner._capture_graph``, ``sglang/srt/model_executor/cuda_graph_runner.py``);
-* piecewise CUDA graphs off: their memory is never released;
+* piecewise CUDA graphs off unless the config asks for them: their memory is never released;
 * no ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` for the engine's processes:
   torch-memory-saver raises on it. It is removed only while the engine's processes are spawned,
   so a trainer in the host process keeps its own setting.

@@ -16,6 +16,8 @@ Mapped (verl's semantics):
 * ``engine_kwargs.sglang`` passes through; a key verl lets override its own choice
   (``mem_fraction_static``, ``dtype``, ``disable_cuda_graph``, ``max_running_requests``,
   ``load_format``, ``enable_weights_cpu_backup``) overrides the matching rollout key here too;
+  ``disable_piecewise_cuda_graph=false`` turns ``piecewise_cuda_graph`` on (off by default here, on in
+  verl's built-in server, which leaves SGLang's default);
 * ``quantization=fp8``: SGLang gets ``quantization="fp8"`` and the block-wise FP8
   ``quantization_config`` in ``json_model_override_args`` (verl's
   ``verl/utils/sglang/sglang_fp8_utils.py`` builds it), and the adapter quantizes the trainer's bf16
@@ -35,6 +37,8 @@ import json
 import logging
 import os
 from typing import Any, List, Optional, Tuple
+
+from pydantic import TypeAdapter, ValidationError
 
 from ..config import MANAGED_SERVER_ARGS, RolloutConfig
 
@@ -63,8 +67,11 @@ ENGINE_KWARG_LAYOUT_KEYS = {
     "model_path": f"{MODEL_PREFIX}.path",
     "nnodes": f"{ROLLOUT_PREFIX}.nnodes",
 }
+#: ``engine_kwargs.sglang`` flags whose negation is a RolloutConfig field (``disable_piecewise_cuda_graph=false``,
+#: SGLang's default and what verl's built-in server runs with, turns ``piecewise_cuda_graph`` on).
+ENGINE_KWARG_NEGATED = {"disable_piecewise_cuda_graph": "piecewise_cuda_graph"}
 #: ``engine_kwargs.sglang`` flags this package always sets: accepted only with the value it sets.
-ENGINE_KWARG_FIXED = {"enable_memory_saver": True, "disable_piecewise_cuda_graph": True}
+ENGINE_KWARG_FIXED = {"enable_memory_saver": True}
 
 
 class UnsupportedVerlFeature(NotImplementedError):
@@ -250,6 +257,11 @@ def rollout_config_from_verl(cfg, model_path: str, model_config=None, hf_config=
     for key in list(engine_kwargs):
         if key in ENGINE_KWARG_OVERRIDES:
             kwargs[ENGINE_KWARG_OVERRIDES[key]] = engine_kwargs.pop(key)  # verl: engine_kwargs win
+        elif key in ENGINE_KWARG_NEGATED:
+            try:
+                kwargs[ENGINE_KWARG_NEGATED[key]] = not TypeAdapter(bool).validate_python(engine_kwargs.pop(key))
+            except ValidationError:
+                bad.append(f"{prefix}.engine_kwargs.sglang.{key}: not a boolean")
         elif key in ENGINE_KWARG_LAYOUT_KEYS:
             bad.append(f"{prefix}.engine_kwargs.sglang.{key}={engine_kwargs[key]!r}: decides the replica's GPU "
                        f"layout; set {ENGINE_KWARG_LAYOUT_KEYS[key]} instead")
