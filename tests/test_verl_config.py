@@ -165,11 +165,12 @@ def test_refusals_name_the_verl_key():
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.tp_size=4")
     with pytest.raises(UnsupportedVerlFeature, match="enable_memory_saver"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.enable_memory_saver=false")
+    # piecewise CUDA graphs: on through verl, as in verl's built-in server; the SGLang key turns them off
     _, cfg = mapped()
-    assert cfg.piecewise_cuda_graph is False and cfg.to_server_args()["disable_piecewise_cuda_graph"] is True
-    _, cfg = mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=false")
-    assert cfg.piecewise_cuda_graph is True and "disable_piecewise_cuda_graph" not in cfg.engine_kwargs
-    assert cfg.to_server_args()["disable_piecewise_cuda_graph"] is False
+    assert cfg.piecewise_cuda_graph is True and cfg.to_server_args()["disable_piecewise_cuda_graph"] is False
+    _, cfg = mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=true")
+    assert cfg.piecewise_cuda_graph is False and "disable_piecewise_cuda_graph" not in cfg.engine_kwargs
+    assert cfg.to_server_args()["disable_piecewise_cuda_graph"] is True
     with pytest.raises(UnsupportedVerlFeature, match="disable_piecewise_cuda_graph: not a boolean"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=maybe")
     # the fast path is not wired through verl: the key is refused, not silently ignored

@@ -229,24 +229,11 @@ class NvmlSampler:
 
 
 # ------------------------------------------------------------------------------------ runs
-#: The verl key that turns piecewise CUDA graphs on for sgl-rollout (verl's built-in keeps SGLang's default, on).
-PIECEWISE_KEY = "actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph"
-
-
-def differences(overrides: Sequence[str] = ()) -> List[str]:
-    """What the two sides' runs differ in, each with the reason (printed and kept in the report).
-
-    Args:
-        overrides: the extra hydra overrides both sides get; one that sets :data:`PIECEWISE_KEY` makes
-            the two engines capture the same piecewise CUDA graphs, and the difference is not listed.
-    """
+def differences() -> List[str]:
+    """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
            "which rollout answers rollout.name=sglang; both load the timing probe (sgl_rollout_probe)",
            "trainer.experiment_name: compare_builtin vs compare_ours, to tell the runs apart in verl's logs"]
-    if not any(o.lstrip("+~").split("=", 1)[0] == PIECEWISE_KEY for o in overrides):
-        out.append("piecewise CUDA graphs: SGLang's default (captured where SGLang allows) on the built-in, off on "
-                   "sgl-rollout, which keeps them off unless asked because sleep cannot release their memory; "
-                   f"pass +{PIECEWISE_KEY}=false to give both the same")
     return out
 
 
@@ -492,7 +479,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     write_parquet(out / "data", n_train=2048, n_val=n_val)
-    diffs = differences(args.overrides)
+    diffs = differences()
     config = {
         "title": args.title, "model": str(model_dir), "random_weights": bool(args.random_model),
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
