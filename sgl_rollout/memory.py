@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -232,6 +233,58 @@ def device_memory(device: Optional[int] = None) -> Tuple[int, int]:
     if not torch.cuda.is_available():
         return 0, 0
     return torch.cuda.mem_get_info(device)
+
+
+def has_cuda_context(device: Optional[int] = None) -> bool:
+    """True when this process has a CUDA context on ``device`` (None: the current device) already.
+
+    ``torch.cuda.is_initialized()`` is not enough: importing SGLang initializes torch's CUDA state in
+    every process that imports it (``sgl_kernel`` asks for the current device, which creates no context),
+    while the first ``torch.cuda.mem_get_info`` creates a context. Asks torch's
+    ``_cuda_hasPrimaryContext``, which creates nothing; a torch build without it answers True.
+    """
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    probe = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    if probe is None:
+        return True
+    return bool(probe(torch.cuda.current_device() if device is None else int(device)))
+
+
+def nvml_device_memory(device: Optional[int] = None, nvml=None) -> Tuple[int, int]:
+    """(free, total) bytes of this process's CUDA device ``device`` (None: 0) from NVML, without
+    initializing CUDA in this process.
+
+    A process that only hosts the engine (SGLang's schedulers run elsewhere; the Ray server actor) would
+    otherwise get a CUDA context of its own on that GPU from its first ``torch.cuda.mem_get_info``, held
+    for the rest of the run, training included (``tests/gpu/test_host_cuda_gpu.py`` prints its size). The device is mapped to NVML through
+    ``CUDA_VISIBLE_DEVICES`` (an index or a ``GPU-``/``MIG-`` UUID); NVML's free and total are the
+    driver's, as ``mem_get_info``'s.
+
+    Args:
+        device: CUDA device index in this process (an index into ``CUDA_VISIBLE_DEVICES``).
+        nvml: the ``pynvml`` module or a double; None imports ``pynvml``.
+
+    Returns:
+        ``(free, total)`` in bytes; ``(0, 0)`` where NVML cannot answer (no driver, no ``pynvml``, a
+        device that is not visible).
+    """
+    index = 0 if device is None else int(device)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        if nvml is None:
+            import pynvml as nvml
+        nvml.nvmlInit()
+        if visible is None:
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        else:
+            name = [v.strip() for v in visible.split(",") if v.strip()][index]
+            handle = (nvml.nvmlDeviceGetHandleByIndex(int(name)) if name.isdigit()
+                      else nvml.nvmlDeviceGetHandleByUUID(name))
+        info = nvml.nvmlDeviceGetMemoryInfo(handle)
+        return int(info.free), int(info.total)
+    except Exception:  # noqa: BLE001 - a timeline without figures beats a failed phase
+        return 0, 0
 
 
 def gpu_used_bytes(gpu_ids: Sequence[int], nvml=None) -> Dict[int, int]:
@@ -481,7 +534,8 @@ class MemoryRecord:
         wall_s: seconds since the timeline began (``time.perf_counter``).
         free_bytes: free device memory, all processes (driver's view).
         used_bytes: total minus free device memory.
-        peak_allocated_bytes: this process's torch peak allocation since the previous record.
+        peak_allocated_bytes: this process's torch peak allocation since the previous record; 0 in a
+            process without a CUDA context (see :class:`MemoryTimeline`).
     """
 
     phase: str
@@ -494,10 +548,17 @@ class MemoryRecord:
 class MemoryTimeline:
     """Device memory after each phase of the rollout worker.
 
+    A record does not create a CUDA context in this process (:func:`has_cuda_context`): until something
+    else has (a trainer in the same process), the figures come from NVML (:func:`nvml_device_memory`;
+    torch's only where NVML cannot answer) and the torch peak is 0. The engine's memory lives in
+    SGLang's scheduler processes, so a host without a context, such as the Ray server actor, has no
+    torch peak to report and would only pay a context for one.
+
     Args:
-        device: CUDA device index; None for the current one.
+        device: CUDA device index; None for the current one (NVML: device 0 of ``CUDA_VISIBLE_DEVICES``).
         clock: time source in seconds (``time.perf_counter``); tests pass their own.
-        meminfo: ``() -> (free, total)`` in bytes; defaults to :func:`device_memory`.
+        meminfo: ``() -> (free, total)`` in bytes; defaults to :func:`device_memory` once CUDA is
+            initialized here, :func:`nvml_device_memory` before.
     """
 
     def __init__(
@@ -508,15 +569,22 @@ class MemoryTimeline:
     ):
         self._device = device
         self._clock = clock
-        self._meminfo = meminfo or (lambda: device_memory(device))
+        self._meminfo = meminfo or self._device_memory
         self._t0 = clock()
         self.records: List[MemoryRecord] = []
+
+    def _device_memory(self) -> Tuple[int, int]:
+        if not has_cuda_context(self._device):
+            free, total = nvml_device_memory(self._device)
+            if total:
+                return free, total
+        return device_memory(self._device)  # CUDA in use here already, or no NVML (pynvml is SGLang's dependency)
 
     def record(self, phase: str) -> MemoryRecord:
         """Append and return a record for ``phase``."""
         free, total = self._meminfo()
         peak = 0
-        if torch.cuda.is_available():
+        if has_cuda_context(self._device):
             peak = torch.cuda.max_memory_allocated(self._device)
             torch.cuda.reset_peak_memory_stats(self._device)
         rec = MemoryRecord(phase, self._clock() - self._t0, free, total - free, peak)

@@ -508,3 +508,30 @@ def test_last_error_line_names_the_exception_not_a_warning(tmp_path):
     log.write_text("UserWarning: megatron engine is not available: ModuleNotFoundError('megatron')\nstep:1\n")
     assert verl_compare.last_error_line(log) is None
     assert verl_compare.last_error_line(tmp_path / "absent.log") is None
+
+
+def test_random_model_is_written_by_a_child_process(tmp_path, monkeypatch):
+    """The random model's weights are made in a child process (on the GPU host, the runner would otherwise
+    hold a CUDA context and the weights' cached blocks on GPU 0 through both runs); the result has the
+    source's vocabulary and tokenizer files."""
+    import torch
+
+    from sgl_rollout.bench import models
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"vocab_size": 96}))
+    (src / "tokenizer.json").write_text("{}")
+    (src / "model.safetensors").write_text("not copied")
+    monkeypatch.setattr(models, "LLAMA_1B", dict(models.LLAMA_TINY))  # read by the parent, sent to the child
+    children = []
+    real_run = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: children.append(cmd) or real_run(cmd, **kw))
+    out = verl_compare.random_llama_like(src, tmp_path / "random")
+    assert len(children) == 1 and children[0][0] == sys.executable
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == 96 and cfg["hidden_size"] == models.LLAMA_TINY["hidden_size"]
+    assert (out / "tokenizer.json").is_file() and list(out.glob("*.safetensors"))
+    assert (out / "model.safetensors").read_bytes() != b"not copied"
+    assert not torch.cuda.is_initialized()
+    assert verl_compare.random_llama_like(src, tmp_path / "random") == out and len(children) == 1  # written once

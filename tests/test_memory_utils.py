@@ -1,6 +1,7 @@
 import gc
 import json
 import pickle
+import types
 
 import pytest
 import torch
@@ -209,3 +210,71 @@ def test_timeline_records_phases(tmp_path):
     p = tmp_path / "timeline.json"
     tl.save(str(p))
     assert [d["phase"] for d in json.loads(p.read_text())] == ["sleep", "resume_kv_cache"]
+
+
+class _Nvml:
+    """pynvml double: device handles are what was asked; memory is (free, total) per handle."""
+
+    def __init__(self, memory):
+        self.memory, self.asked = memory, []
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        self.asked.append(("index", i))
+        return i
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.asked.append(("uuid", uuid))
+        return uuid
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        free, total = self.memory[handle]
+        return types.SimpleNamespace(free=free, total=total, used=total - free)
+
+
+def test_nvml_device_memory_maps_the_device_through_cuda_visible_devices(monkeypatch):
+    from sgl_rollout.memory import nvml_device_memory
+
+    nvml = _Nvml({0: (5, 10), 3: (7, 10), 1: (2, 10), "GPU-abc": (9, 10)})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert nvml_device_memory(None, nvml=nvml) == (5, 10)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert nvml_device_memory(None, nvml=nvml) == (7, 10)  # this process's device 0 is physical GPU 3
+    assert nvml_device_memory(1, nvml=nvml) == (2, 10)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-abc")
+    assert nvml_device_memory(0, nvml=nvml) == (9, 10)
+    assert nvml.asked == [("index", 0), ("index", 3), ("index", 1), ("uuid", "GPU-abc")]
+    assert nvml_device_memory(1, nvml=nvml) == (0, 0)  # not visible: no figures, no error
+
+
+def test_timeline_does_not_create_a_cuda_context_in_a_host_without_one(monkeypatch):
+    """The Ray server actor hosts the engine without using CUDA itself: a record must not give it a CUDA
+    context (torch's mem_get_info or peak-stat calls would), so it reads NVML instead."""
+    import sgl_rollout.memory as memory
+
+    def touches_cuda(*a, **k):
+        raise AssertionError("initialized CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # importing SGLang initializes torch's CUDA
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    contexts = {0: False}
+    monkeypatch.setattr(torch._C, "_cuda_hasPrimaryContext", lambda i: contexts[i], raising=False)
+    for name in ("mem_get_info", "max_memory_allocated", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, touches_cuda)
+    monkeypatch.setattr(memory, "nvml_device_memory", lambda device=None: (30, 100))
+    rec = MemoryTimeline().record("engine_ready")
+    assert (rec.free_bytes, rec.used_bytes, rec.peak_allocated_bytes) == (30, 70, 0)
+    # no NVML (pynvml missing): torch's figures rather than none
+    monkeypatch.setattr(memory, "nvml_device_memory", lambda device=None: (0, 0))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20, 100))
+    assert MemoryTimeline().record("sleep").free_bytes == 20
+    # once this process has a context (a trainer in the same process), torch's figures are used
+    contexts[0] = True
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40, 100))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 12)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    rec = MemoryTimeline().record("sync")
+    assert (rec.free_bytes, rec.used_bytes, rec.peak_allocated_bytes) == (40, 60, 12)
