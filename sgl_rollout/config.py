@@ -125,7 +125,8 @@ class RolloutConfig(BaseModel):
         update_weights_bucket_megabytes: largest flattened bucket in MiB for the weight sync; a
             tensor larger than this travels alone. Peak extra GPU memory on the sending side is one
             bucket.
-        enforce_eager: disable CUDA graphs (SGLang ``disable_cuda_graph``).
+        enforce_eager: disable CUDA graphs (SGLang ``disable_cuda_graph``), piecewise ones too (SGLang
+            would still capture those: ``disable_cuda_graph`` does not cover them).
         max_num_seqs: most requests running at once (SGLang ``max_running_requests``); None lets
             SGLang choose.
         load_format: SGLang load format; ``"dummy"`` gives random weights without reading files.
@@ -134,11 +135,11 @@ class RolloutConfig(BaseModel):
             LoRA, GGUF, multimodal models and more, ``ServerArgs._handle_piecewise_cuda_graph`` in
             ``sglang/srt/server_args.py``). Off by default here: they are captured outside
             torch-memory-saver's regions (``sglang/srt/model_executor/piecewise_cuda_graph_runner.py``), so
-            sleep does not release them and their memory (about 1.1 GB per GPU for a 1.1B model at TP=2;
+            sleep does not release them and their memory (about 1.15 GB per GPU for a 1.1B model at TP=2;
             README) stays held while the trainer runs. On through verl
             (:func:`sgl_rollout.integrations.verl_config.rollout_config_from_verl`), as in verl's built-in
-            server: without them a TP=2 replica served each step slower than verl's in four runs out of four. SGLang
-            ``disable_piecewise_cuda_graph`` is its inverse.
+            server: without them a TP=2 replica served each step slower than verl's in four runs out of
+            four. SGLang ``disable_piecewise_cuda_graph`` is its inverse; ``enforce_eager`` turns them off.
         fast_sync: sync weights through this package's copy-plan loader inside SGLang
             (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
             one persistent IPC buffer per engine and one batched copy per bucket on each side. Models
@@ -295,7 +296,7 @@ class RolloutConfig(BaseModel):
             enable_memory_saver=True,
             enable_weights_cpu_backup=self.enable_weights_cpu_backup,
             disable_cuda_graph=self.enforce_eager,
-            disable_piecewise_cuda_graph=not self.piecewise_cuda_graph,
+            disable_piecewise_cuda_graph=self.enforce_eager or not self.piecewise_cuda_graph,
             load_format=self.load_format,
         )
         if self.max_num_seqs is not None:
