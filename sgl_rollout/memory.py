@@ -257,8 +257,8 @@ def nvml_device_memory(device: Optional[int] = None, nvml=None) -> Tuple[int, in
 
     A process that only hosts the engine (SGLang's schedulers run elsewhere; the Ray server actor) would
     otherwise get a CUDA context of its own on that GPU from its first ``torch.cuda.mem_get_info``, held
-    for the rest of the run, training included (``tests/gpu/test_host_cuda_gpu.py`` prints its size). The device is mapped to NVML through
-    ``CUDA_VISIBLE_DEVICES`` (an index or a ``GPU-``/``MIG-`` UUID); NVML's free and total are the
+    for the rest of the run, training included (``tests/gpu/test_host_cuda_gpu.py`` prints its size).
+    The device is mapped to NVML through ``CUDA_VISIBLE_DEVICES`` (an index or a ``GPU-``/``MIG-`` UUID); NVML's free and total are the
     driver's, as ``mem_get_info``'s.
 
     Args:
@@ -557,8 +557,9 @@ class MemoryTimeline:
     Args:
         device: CUDA device index; None for the current one (NVML: device 0 of ``CUDA_VISIBLE_DEVICES``).
         clock: time source in seconds (``time.perf_counter``); tests pass their own.
-        meminfo: ``() -> (free, total)`` in bytes; defaults to :func:`device_memory` once CUDA is
-            initialized here, :func:`nvml_device_memory` before.
+        meminfo: ``() -> (free, total)`` in bytes; defaults to :func:`device_memory` once this process
+            has a CUDA context, :func:`nvml_device_memory` before (and where NVML cannot answer,
+            :func:`device_memory`).
     """
 
     def __init__(
@@ -578,7 +579,8 @@ class MemoryTimeline:
             free, total = nvml_device_memory(self._device)
             if total:
                 return free, total
-        return device_memory(self._device)  # CUDA in use here already, or no NVML (pynvml is SGLang's dependency)
+        # a context here already, or no NVML (pynvml is one of SGLang's dependencies)
+        return device_memory(self._device)
 
     def record(self, phase: str) -> MemoryRecord:
         """Append and return a record for ``phase``."""

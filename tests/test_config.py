@@ -15,7 +15,8 @@ def test_defaults_and_server_args():
     assert kw["disable_piecewise_cuda_graph"] is True
     assert kw["disable_cuda_graph"] is True
     assert kw["attention_backend"] == "triton"
-    assert RolloutConfig(model_path="/m", piecewise_cuda_graph=True).to_server_args()["disable_piecewise_cuda_graph"] is False
+    piecewise = RolloutConfig(model_path="/m", piecewise_cuda_graph=True).to_server_args()
+    assert piecewise["disable_piecewise_cuda_graph"] is False
     # eager means no CUDA graphs at all: SGLang's disable_cuda_graph alone leaves the piecewise ones on
     eager = RolloutConfig(model_path="/m", piecewise_cuda_graph=True, enforce_eager=True).to_server_args()
     assert eager["disable_cuda_graph"] is True and eager["disable_piecewise_cuda_graph"] is True

@@ -172,7 +172,8 @@ def test_refusals_name_the_verl_key():
     assert cfg.piecewise_cuda_graph is False and "disable_piecewise_cuda_graph" not in cfg.engine_kwargs
     assert cfg.to_server_args()["disable_piecewise_cuda_graph"] is True
     _, cfg = mapped("actor_rollout_ref.rollout.enforce_eager=true")  # eager: no CUDA graphs of either kind
-    assert cfg.to_server_args()["disable_cuda_graph"] is True and cfg.to_server_args()["disable_piecewise_cuda_graph"] is True
+    args = cfg.to_server_args()
+    assert args["disable_cuda_graph"] is True and args["disable_piecewise_cuda_graph"] is True
     with pytest.raises(UnsupportedVerlFeature, match="disable_piecewise_cuda_graph: not a boolean"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=maybe")
     # the fast path is not wired through verl: the key is refused, not silently ignored

@@ -11,10 +11,11 @@ import sys
 from sgl_rollout.bench import LLAMA_TINY, make_llama_dir
 
 HOST = r'''
-import json, os, sys
+import json, sys
 import torch
 from sgl_rollout.bench import gpu_engine_flags
 from sgl_rollout.config import RolloutConfig
+from sgl_rollout.memory import has_cuda_context, nvml_device_memory
 from sgl_rollout.worker import RolloutWorker
 
 if __name__ == "__main__":
@@ -28,9 +29,7 @@ if __name__ == "__main__":
         worker.wake_up()
         n.append(len(worker.generate([[1, 2, 3]], params)[0][0].output_ids))
         used = [r.used_bytes for r in worker.timeline.records]
-        from sgl_rollout.memory import has_cuda_context
         context = has_cuda_context(0)
-        from sgl_rollout.memory import nvml_device_memory
         free0, _ = nvml_device_memory(0)
         torch.zeros(1, device="cuda")  # what the host would have paid: a CUDA context
         free1, _ = nvml_device_memory(0)
