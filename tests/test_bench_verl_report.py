@@ -212,6 +212,13 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     assert phases["gen: replica.sleep"][0] == pytest.approx(0.25)
     assert [name for name, _s, _k in got[2]] == ["gen: update end -> first request", "gen: first request -> last answer"]
     assert got[2][0][1] == pytest.approx(1.0)
+    # a run whose probe watched and saw no stall says 0, one it did not watch leaves the rows out
+    quiet = [s for s in spans if not s["name"].endswith("_stall")]
+    kids = {n: k for n, _s, k in verl_report.gen_breakdown(quiet)[1]}["gen: first request -> last answer"]
+    assert "loop stalls" not in kids
+    kids = {n: k for n, _s, k in verl_report.gen_breakdown(
+        quiet + [span("probe.stall_watch", 10.9, 0.0, pid=9, watch="loop")])[1]}["gen: first request -> last answer"]
+    assert kids["loop stalls"] == 0.0 and kids["GIL stalls"] == 0.0 and kids["longest loop stall"] == 0.0
 
 
 def test_a_run_without_request_spans_has_no_gen_table(tmp_path):

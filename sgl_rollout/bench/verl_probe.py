@@ -143,7 +143,9 @@ def _watch_stalls() -> None:
     emits ``probe.loop_stall`` (``dt``: how late it woke, ``thread``: the loop's thread) when it woke
     more than :data:`STALL_S` late: the loop ran something else that long. A daemon thread sleeping
     ``_TICK_S`` emits ``probe.gil_stall`` the same way: another thread of the process held the GIL
-    (or the CPU was taken) that long.
+    (or the CPU was taken) that long. Each watcher emits one ``probe.stall_watch`` span (``dt`` 0,
+    ``watch``: ``"loop"`` or ``"gil"``) as it starts, so a report can tell a watched run without
+    stalls (0) from a process nobody watched (n/a).
     """
     import asyncio
 
@@ -166,6 +168,7 @@ def _watch_stalls() -> None:
                     emit("probe.loop_stall", time.time() - late, late, thread=thread)
 
         loop.create_task(watch_loop())
+        emit("probe.stall_watch", time.time(), 0.0, watch="loop", thread=thread)
     if not _gil_watch_started:
         _gil_watch_started = True
 
@@ -178,6 +181,7 @@ def _watch_stalls() -> None:
                     emit("probe.gil_stall", time.time() - late, late)
 
         threading.Thread(target=watch_gil, name="sgl-rollout-probe-gil", daemon=True).start()
+        emit("probe.stall_watch", time.time(), 0.0, watch="gil")
 
 
 def _rank() -> Optional[int]:

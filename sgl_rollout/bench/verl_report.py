@@ -226,8 +226,9 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
       with the client's and server's spans also ``client -> SGLang, k-th request`` and ``server ->
       SGLang, k-th request`` (median over k of the k-th arrival at SGLang less the k-th send: the way
       in, without matching request ids), ``load-balancer round trip`` (median ``verl.acquire_server``),
-      and, in a run whose probe saw stalls (``probe.loop_stall``, ``probe.gil_stall``), their count
-      and the longest (s) from the update's end to the last answer;
+      and, in a run whose probe watched for stalls (``probe.stall_watch``; or, in runs recorded before
+      that span, saw one: ``probe.loop_stall``, ``probe.gil_stall``), their count and the longest (s)
+      from the update's end to the last answer;
     * ``gen: last answer -> replica.sleep``: the answers' way back to verl's driver; where the probe
       saw them, its children are ``server.generate returned`` and ``verl.client_generate returned``
       (s after the last answer until the server actor returned the last request, and until
@@ -246,7 +247,7 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
         named.setdefault(s["name"], []).append(s)
     requests, sleeps, polls = named.get(GEN_REQUEST, []), named.get("replica.sleep", []), named.get(POLL, [])
     servers, clients = named.get("server.generate", []), named.get("verl.client_generate", [])
-    stalls_seen = bool(named.get("probe.loop_stall") or named.get("probe.gil_stall"))
+    stalls_seen = any(named.get(n) for n in ("probe.stall_watch", "probe.loop_stall", "probe.gil_stall"))
     out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
     for prev_step, w in sorted(updates.items()):
         t0 = _end(w)
