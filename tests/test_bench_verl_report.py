@@ -237,6 +237,12 @@ def test_phase_table_prints_counts_as_numbers_and_times_in_ms():
     assert "| gen: first request -> last answer | 829.4 | 829.4 |" in lines
     assert "| gen: first request -> last answer / requests | 256 | 256 |" in lines
     assert "| gen: last answer -> replica.sleep / polls | 2 | 2 |" in lines
+    # a phase seen only in the first step (no median on either side) gets no row; one side's n/a stays
+    runs["builtin"]["gen_phase_order"] += ["first step only", "ours only"]
+    runs["ours"]["gen_phases"] = dict(phases, **{"ours only": {"median": 0.5}, "first step only": {"median": None}})
+    lines = verl_report._phase_table(runs, ["builtin", "ours"], "gen_phases", "gen_phase_order", "t")
+    assert not any("first step only" in line for line in lines)
+    assert "| ours only | n/a | 500.0 |" in lines
 
 
 def test_gen_less_the_sleep_is_reported_per_side(tmp_path):
@@ -253,3 +259,30 @@ def test_gen_less_the_sleep_is_reported_per_side(tmp_path):
         for g, w in zip(gens, waits):
             assert any(abs(g - d - w) < 1e-9 for d in sleeps) and 0 < w < g
     assert "| `timing_s/gen` less the replicas' sleep (verl's wait for the samples: 2 s polls) |" in md
+
+
+def test_update_breakdown_is_the_lead_ranks_view_and_one_servers_time():
+    """At TP=2 (or with 2 replicas) every trainer rank runs the same phases side by side: the children
+    of the lead's phase are its own spans and the engine side's (no ``rank``), one process's worth
+    each, not a sum over ranks or replicas that can exceed the phase itself."""
+    def span(name, t0, dt, pid, rank, **kw):
+        return {"name": name, "t0": t0, "dt": dt, "pid": pid, "rank": rank, **kw}
+
+    spans = [span("verl.update_weights", 0.0, 1.0, 1, 0, step=2),
+             span("verl.update_weights", 0.0, 1.0, 2, 1, step=2),
+             span("rollout.update_weights", 0.2, 0.5, 1, 0), span("rollout.update_weights", 0.21, 0.49, 2, 1),
+             # each rank's weights generator (verl's gather) is busy 0.2 / 0.3 s of its bucketing's 0.3 / 0.4
+             span("verl.weights", 0.2, 0.2, 1, 0, busy=True), span("verl.weights", 0.21, 0.3, 2, 1, busy=True),
+             span("rollout.bucket", 0.2, 0.3, 1, 0), span("rollout.bucket", 0.21, 0.4, 2, 1),
+             # two replicas' servers load the buckets at the same time, 0.05 and 0.07 s
+             span("sglang.update_weights_from_tensor", 0.55, 0.05, 8, None),
+             span("sglang.update_weights_from_tensor", 0.55, 0.07, 9, None),
+             # rank 1's next phase starts inside the lead's sync: not the lead's
+             span("torch.empty_cache", 0.69, 0.01, 2, 1)]
+    phases = {name: (secs, kids) for name, secs, kids in verl_report.update_breakdown(spans, 1.004)}
+    secs, kids = phases["rollout.update_weights"]
+    assert secs == pytest.approx(0.5)
+    assert kids == {"verl.weights": pytest.approx(0.2), "rollout.bucket": pytest.approx(0.1),
+                    "sglang.update_weights_from_tensor": pytest.approx(0.06),
+                    "(rest: calls, round trips)": pytest.approx(0.5 - 0.3 - 0.06)}
+    assert phases["ray: driver <-> trainer workers"][0] == pytest.approx(0.004)

@@ -115,9 +115,13 @@ def update_breakdown(spans: List[dict], update_s: Optional[float] = None) -> Lis
     * ``ray: driver <-> trainer workers``: ``update_s`` (verl's ``timing_s/update_weights``) minus
       ``W``: Ray's dispatch of ``update_weights`` to every trainer worker and the driver's wait;
     * each trainer-side span of :data:`TOP_SPANS` inside ``W`` (e.g. ``rollout.resume[weights]``),
-      with its children: the spans of any process that start inside it, summed by name; a child
-      ``rollout.bucket`` (bucketing, the weights generator included) is reported less the
-      ``verl.weights`` generator time, and what no child covers as ``(rest: calls, round trips)``;
+      with its children: the spans that start inside it in ``W``'s own process and in processes
+      outside the trainer (no ``rank``: the server actors, SGLang), summed by name per process, then
+      averaged over the processes that have the name (so 2 replicas' servers give one server's
+      time, and the other trainer ranks, which run the same phases side by side and wait on each
+      other's collectives, are left out); a child ``rollout.bucket`` (bucketing, the weights generator
+      included) is reported less the ``verl.weights`` generator time, and what no child covers as
+      ``(rest: calls, round trips)``;
     * ``verl: ...`` for the time between them (verl's own code: ``empty_cache``, offload, barrier).
 
     Returns:
@@ -131,29 +135,36 @@ def update_breakdown(spans: List[dict], update_s: Optional[float] = None) -> Lis
     if update_s is not None:
         phases.append(("ray: driver <-> trainer workers", max(update_s - w["dt"], 0.0), {}))
     tops = [s for s in rest if s["pid"] == w["pid"] and _base(s["name"]) in TOP_SPANS and w0 <= s["t0"] <= w1]
-    others = [s for s in rest if s not in tops]
+    others = [s for s in rest if s not in tops and (s["pid"] == w["pid"] or s.get("rank") is None)]
     cursor, prev = w0, None
     for top in tops:
         phases.append(_gap(f"verl: {'start' if prev is None else prev} -> {top['name']}", cursor, top["t0"], others, w))
         t0, t1 = top["t0"], _end(top)
         inner = [s for s in others if t0 <= s["t0"] <= t1]
-        kids: Dict[str, float] = {}
-        for s in inner:
-            kids[s["name"]] = kids.get(s["name"], 0.0) + s["dt"]
+        kids = _per_process(inner)
         if "rollout.bucket" in kids and "verl.weights" in kids:
             kids["rollout.bucket"] = max(kids["rollout.bucket"] - kids["verl.weights"], 0.0)
         if kids:
             # the rest of the phase: what no child span covers (spans nested in another child, e.g.
             # SGLang's side of a call inside the caller's span, are not counted twice)
-            outer = [s for s in inner if not _nested(s, inner)]
-            covered = sum(s["dt"] for s in outer)
-            if any(s["name"] == "rollout.bucket" for s in outer):
-                covered -= sum(s["dt"] for s in outer if s["name"] == "verl.weights")  # inside the bucketing
+            outer = _per_process([s for s in inner if not _nested(s, inner)])
+            covered = sum(outer.values())
+            if "rollout.bucket" in outer:
+                covered -= outer.get("verl.weights", 0.0)  # inside the bucketing
             kids["(rest: calls, round trips)"] = max(top["dt"] - covered, 0.0)
         phases.append((top["name"], top["dt"], kids))
         cursor, prev = max(cursor, t1), top["name"]
     phases.append(_gap(f"verl: {'start' if prev is None else prev} -> end", cursor, w1, others, w))
     return phases
+
+
+def _per_process(spans: List[dict]) -> Dict[str, float]:
+    """Seconds by span name: summed per process, then the mean over the processes that have it."""
+    by: Dict[str, Dict[int, float]] = {}
+    for s in spans:
+        per = by.setdefault(s["name"], {})
+        per[s["pid"]] = per.get(s["pid"], 0.0) + s["dt"]
+    return {name: sum(per.values()) / len(per) for name, per in by.items()}
 
 
 def _gap(name: str, t0: float, t1: float, others: List[dict], w: dict) -> Tuple[str, float, Dict[str, float]]:
@@ -171,11 +182,13 @@ def _gap(name: str, t0: float, t1: float, others: List[dict], w: dict) -> Tuple[
 
 def _nested(s: dict, among: List[dict]) -> bool:
     """True when ``s`` lies inside another (non-busy) span of ``among``; busy spans (summed iterator
-    time) are never containers."""
+    time) are never containers, nor is a span of the same name in another process (two replicas'
+    servers doing the same thing at the same time)."""
     if s.get("busy"):
         return False
     return any(o is not s and not o.get("busy") and o["t0"] <= s["t0"] and _end(s) <= _end(o)
-               and (o["dt"] > s["dt"] or o["t0"] < s["t0"]) for o in among)
+               and (o["dt"] > s["dt"] or o["t0"] < s["t0"])
+               and (o["name"] != s["name"] or o["pid"] == s["pid"]) for o in among)
 
 
 def steps_of(spans: List[dict]) -> Dict[int, List[dict]]:
@@ -530,7 +543,8 @@ def markdown(comparison: dict) -> str:
             lines.append("")
         lines += _phase_table(runs, cols, "update_phases", "update_phase_order",
                               "Where `timing_s/update_weights` goes (median ms over steps after the first; "
-                              "`a / b`: b's share of phase a):")
+                              "`a / b`: b's share of phase a, on the lead trainer rank and in one engine "
+                              "process each):")
         lines += _phase_table(runs, cols, "gen_phases", "gen_phase_order",
                               "Where `timing_s/gen` goes (median over steps after the first; ms, request counts as "
                               "numbers; the first phase starts before verl's `gen` timer; a row `a / b` under "
@@ -541,7 +555,7 @@ def markdown(comparison: dict) -> str:
 def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: str) -> List[str]:
     """Markdown lines of one breakdown: a row per phase of any side's ``order_key``, the median of
     ``runs[side][key][phase]`` per side (ms; a ``/ requests``, ``/ polls`` or ``stalls`` row as a count); none
-    without phases."""
+    without phases. A phase no side has a median for (seen only in the first step) gets no row."""
     labels = list(dict.fromkeys(n for s in cols for n in runs[s].get(order_key, [])))
     if not labels:
         return []
@@ -549,10 +563,10 @@ def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: s
            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
     for label in labels:
         count = label.endswith((" / requests", " / polls", " stalls"))
-        cells = []
-        for s in cols:
-            v = runs[s].get(key, {}).get(label, {}).get("median")
-            cells.append(_f(None if v is None else (v if count else v * 1e3), ".0f" if count else ".1f"))
+        values = [runs[s].get(key, {}).get(label, {}).get("median") for s in cols]
+        if all(v is None for v in values):
+            continue
+        cells = [_f(None if v is None else (v if count else v * 1e3), ".0f" if count else ".1f") for v in values]
         out.append(f"| {label} | " + " | ".join(cells) + " |")
     return out + [""]
 
