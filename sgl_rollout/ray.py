@@ -346,8 +346,9 @@ class RolloutServer:
         """
         await self._engine.async_begin_sync()
 
-    async def finish_weight_sync(self, ok: bool = True) -> None:
-        """End the sync begun by :meth:`begin_weight_sync`; with ``ok`` the prefix cache is flushed.
+    async def finish_weight_sync(self, ok: bool = True, global_steps: Optional[int] = None) -> None:
+        """End the sync begun by :meth:`begin_weight_sync`; with ``ok`` the prefix cache is flushed and
+        ``global_steps`` (when given) remembered as :meth:`set_global_steps` does, in the same call.
 
         ``ok=False`` (a failed sync) leaves the engine refusing generates until a complete sync, if
         any bucket had reached it.
@@ -355,6 +356,8 @@ class RolloutServer:
         self._engine.end_sync(ok)
         if ok:
             await self._engine.async_flush_cache()
+            if global_steps is not None:
+                self.global_steps = global_steps
 
     async def update_weights_from_payloads(self, payloads: List[bytes]) -> None:
         """Load one flattened bucket (inside :meth:`begin_weight_sync` / :meth:`finish_weight_sync`):

@@ -99,3 +99,22 @@ def test_group_of_closes_buckets_at_group_boundaries():
     assert [[n for n, _ in b] for b in buckets] == [[n for n, _ in ts[i : i + 2]] for i in (0, 2, 4)]
     # without group_of everything fits one bucket
     assert len(list(iter_buckets(ts, bucket_bytes=1 << 20))) == 1
+
+
+def test_bucket_stream_holds_at_most_max_held_and_releases_all_but_the_newest():
+    from sgl_rollout.weight_sync import BucketStream
+
+    items = [(f"w{i}", torch.full((256,), float(i))) for i in range(4)]  # 1 KiB each, one per bucket
+    stream = BucketStream(iter(items), 1024, device="cpu", max_held=2)
+    assert stream.next_payload() is not None and stream.next_payload() is not None and stream.held == 2
+    with pytest.raises(RuntimeError, match="2 held, at most 2"):
+        stream.next_payload()
+    stream.release(keep_newest=True)
+    assert stream.held == 1
+    assert stream.next_payload() is not None and stream.held == 2
+    stream.release()
+    assert stream.held == 0
+    assert stream.next_payload() is not None and stream.next_payload() is None  # the 4th, then the end
+    assert stream.stats.n_buckets == 4
+    with pytest.raises(ValueError, match="max_held"):
+        BucketStream(iter(items), 1024, device="cpu", max_held=0)

@@ -67,9 +67,9 @@ class FakeServer(VerlRolloutServer):
         self.sync_log.append("begin")
         return await super().begin_weight_sync()
 
-    async def finish_weight_sync(self, ok=True):
+    async def finish_weight_sync(self, ok=True, global_steps=None):
         self.sync_log.append(f"finish:{ok}")
-        return await super().finish_weight_sync(ok)
+        return await super().finish_weight_sync(ok, global_steps)
 
     async def fake_calls(self):
         return list(self._engine._engine.calls)

@@ -62,7 +62,7 @@ import os
 import socket
 import threading
 from collections.abc import Mapping
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import ray
 import torch
@@ -902,6 +902,14 @@ class SglRolloutAdapter(BaseRollout):
         torch.distributed.gather_object(payload, out, dst=self._leader_global_rank(), group=self._tp_group)
         return out
 
+    def _all_gather(self, item) -> List[Any]:
+        """Every TP rank's ``item``, in TP rank order, on every rank."""
+        if self._tp_group is None or self.tp_size == 1:
+            return [item]
+        out = [None] * self.tp_size
+        torch.distributed.all_gather_object(out, item, group=self._tp_group)
+        return out
+
     def _broadcast(self, status):
         """The leader's ``status`` on every TP rank."""
         if self._tp_group is None or self.tp_size == 1:
@@ -987,7 +995,7 @@ class SglRolloutAdapter(BaseRollout):
         """
         from ..weight_sync.layered import layer_index
 
-        kwargs = dict(manifest=self._sync_manifest(), partial=False,
+        kwargs = dict(manifest=self._sync_manifest(), partial=False, max_held=2,
                       group_of=layer_index if self.rollout_config.layered_summon else None)
         if not hasattr(named, "__aiter__"):
             stream = BucketStream(named, self.rollout_config.bucket_bytes, **kwargs)
@@ -1006,7 +1014,10 @@ class SglRolloutAdapter(BaseRollout):
 
         return stream, next_async
 
-    def _decide(self, payloads: List[Any], bucket: int) -> str:
+    def _decide(self, payloads: List[Any], bucket: int, engine_errors: Sequence[str] = ()) -> str:
+        """What every TP rank does after a round: stop (``_ERR: why``), end (``_DONE``) or load."""
+        if engine_errors:
+            return f"{_ERR}: " + "; ".join(engine_errors)
         errors = [f"TP rank {r}: {p[1]}" for r, p in enumerate(payloads) if isinstance(p, tuple) and p[:1] == (_ERR,)]
         if errors:
             return f"{_ERR}: bucket {bucket} failed on " + "; ".join(errors)
@@ -1025,7 +1036,10 @@ class SglRolloutAdapter(BaseRollout):
         collective). The leader brackets the sync with the engine actor's ``begin_weight_sync`` /
         ``finish_weight_sync`` (no generate runs between buckets; the prefix cache is flushed at the
         end); a failure anywhere (a rank's generator, the manifest check, the engine) ends it with
-        ``finish_weight_sync(ok=False)`` and raises on every TP rank.
+        ``finish_weight_sync(ok=False)`` and raises on every TP rank. The buckets are pipelined: the
+        engine loads bucket k while every rank flattens bucket k+1 (:meth:`_send_buckets`), so each
+        rank holds up to two buckets (``rollout.update_weights_bucket_megabytes`` each) of extra GPU
+        memory during the sync.
 
         Args:
             weights: ``(name, tensor)`` pairs in Hugging Face naming: a sync iterable or an async
@@ -1071,23 +1085,36 @@ class SglRolloutAdapter(BaseRollout):
                             self.sleep_level, self.rollout_config.free_cache_engine)
                 return
         self._ensure_tp_group()
+        await self._send_buckets(self._named_tensors(weights), global_steps)
+
+    def _submit(self, method: str, *args):
+        """Start a call of the engine actor's ``method`` now; an awaitable of its answer, which raises
+        what the call raised, or what starting it raised (the actor not found, say), so the leader
+        still takes part in the round that reports it."""
+        try:
+            return getattr(self.server, method).remote(*args)
+        except Exception as exc:  # noqa: BLE001 - raised where the answer is awaited
+            failed = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            return failed
+
+    async def _send_buckets(self, named, global_steps: Optional[int]) -> None:
+        """One bucketed weight sync, pipelined: every TP rank flattens bucket k+1 while the engine loads
+        bucket k.
+
+        Each round, every rank flattens its next bucket (or finds none, or fails), the leader then waits
+        for the engine's step in flight (``begin_weight_sync`` in the first round, bucket k-1's load
+        after), and one all-gather gives every rank every rank's payload and the leader's answer. Every
+        rank then drops all but its newest buffer (the engine is done with them), and all decide the
+        same: stop on any failure, end when no rank has a bucket, else the leader starts the load of the
+        round's payloads. So a rank holds at most two buckets, and no buffer is freed before the engine
+        load that reads it has answered; on any exit the leader waits for a load in flight before the
+        buffers go.
+        """
         leader = self.is_leader_rank
-        named = self._named_tensors(weights)
         stream, next_payload = self._payload_source(named)
-        begin_exc: Optional[BaseException] = None
-        status = None
-        if leader:
-            try:
-                await self.server.begin_weight_sync.remote()
-            except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, then it is re-raised
-                begin_exc, status = exc, f"{_ERR}: the engine refused to begin a weight sync: {exc}"
-        status = self._broadcast(status)
-        if status is not None:
-            await _aclose(named)
-            if begin_exc is not None:
-                raise begin_exc
-            raise RuntimeError(status[len(_ERR) + 2:])
-        ok = False
+        pending, step = (self._submit("begin_weight_sync"), "begin a weight sync") if leader else (None, "")
+        began = ok = False
         try:
             bucket = 0
             while True:
@@ -1096,39 +1123,43 @@ class SglRolloutAdapter(BaseRollout):
                     payload = await next_payload()
                 except Exception as exc:  # noqa: BLE001 - reported to every TP rank, re-raised below
                     local_exc, payload = exc, (_ERR, f"{type(exc).__name__}: {exc}")
-                payloads = self._gather(payload)
-                status, engine_exc = None, None
-                if leader:
-                    status = self._decide(payloads, bucket)
-                    if status == _LOAD:
-                        try:
-                            await self.server.update_weights_from_payloads.remote(payloads)
-                        except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
-                            engine_exc, status = exc, f"{_ERR}: the engine refused bucket {bucket}: {exc}"
-                status = self._broadcast(status)  # every rank keeps its buffer until the engine copied it
-                stream.release()
+                engine_exc, engine_error = None, None
+                if pending is not None:
+                    try:
+                        await pending
+                        began = True
+                    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
+                        engine_exc, engine_error = exc, f"the engine refused to {step}: {exc}"
+                    pending = None
+                rounds = self._all_gather((payload, engine_error))
+                stream.release(keep_newest=True)
+                payloads = [p for p, _ in rounds]
+                status = self._decide(payloads, bucket, [e for _, e in rounds if e])
                 if status.startswith(_ERR):
-                    if local_exc is not None:
-                        raise local_exc
-                    if engine_exc is not None:
-                        raise engine_exc
-                    raise RuntimeError(status[len(_ERR) + 2:])
+                    raise local_exc or engine_exc or RuntimeError(status[len(_ERR) + 2:])
                 if status == _DONE:
                     break
+                if leader:
+                    pending, step = self._submit("update_weights_from_payloads", payloads), f"load bucket {bucket}"
                 bucket += 1
             ok = True
             self.base_syncs += 1
         finally:
-            await _aclose(named)
-            if leader:
+            if pending is not None:  # left with a load in flight: its buffers stay until it answered
                 try:
-                    await self.server.finish_weight_sync.remote(ok=ok)
+                    await pending
+                    began = True
+                except Exception:  # noqa: BLE001 - the sync has failed already; this is its cleanup
+                    logger.exception("the engine failed to %s while the weight sync was failing", step)
+            stream.release()
+            await _aclose(named)
+            if leader and began:
+                try:
+                    await self.server.finish_weight_sync.remote(ok=ok, global_steps=global_steps if ok else None)
                 except Exception:
                     if ok:
                         raise
                     logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
-        if leader and global_steps is not None:
-            await self.server.set_global_steps.remote(global_steps)
 
     async def _base_needed(self) -> bool:
         """The engine actor's answer to the base-resend rule, the same on every TP rank."""

@@ -21,7 +21,8 @@ Hugging Face names:
 consumer holds it. :func:`layer_index` is the ``group_of`` for :func:`~.bucket.iter_buckets`, which
 then closes a bucket at every layer boundary. With the package's consumers (``iter_buckets`` feeding
 :func:`~.sender.send_flattened_buckets` or :class:`~.sender.BucketStream`, which hold one bucket at a
-time), the trainer's extra memory during a sync is at most
+time; the verl adapter's pipelined sync holds two, one loading while the next is flattened, and adds a
+second flat bucket buffer below), the trainer's extra memory during a sync is at most
 
     (tensors of one bucket, never more than one layer) + (one flat bucket buffer)
     + (one tensor of look-ahead: ``iter_buckets`` reads the next tensor before it yields a bucket)

@@ -162,7 +162,9 @@ class BucketStream:
 
     ``next_payload()`` flattens the next bucket on this process's GPU and returns its serialized payload;
     the buffer stays alive until ``release()``, which the driver calls once the engine has loaded the
-    bucket. So this process holds at most one bucket of extra memory.
+    bucket. So this process holds at most ``max_held`` buckets of extra memory: 1 for a driver that
+    waits for each load before the next bucket, 2 for one that flattens the next bucket while the
+    engine loads the last (it then releases with ``keep_newest=True``).
 
     Args:
         named_tensors: (name, tensor) pairs, consumed lazily.
@@ -173,11 +175,14 @@ class BucketStream:
             :class:`~.manifest.SyncValidationError` instead of returning a bad bucket.
         partial: with a manifest, allow a sync that leaves some weights out (default: a full sync).
         group_of: optional function of a name; a bucket closes where its value changes (layered sync).
+        max_held: most buckets held (not yet released) at once, >= 1.
     """
 
     def __init__(self, named_tensors: Iterable[NamedTensor], bucket_bytes: int,
                  device: Optional[Union[int, str, torch.device]] = None, manifest=None, partial: bool = False,
-                 group_of: Optional[Callable[[str], object]] = None):
+                 group_of: Optional[Callable[[str], object]] = None, max_held: int = 1):
+        if max_held < 1:
+            raise ValueError(f"max_held must be >= 1, got {max_held}")
         if device is None:
             device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         if isinstance(named_tensors, Mapping):
@@ -189,28 +194,39 @@ class BucketStream:
             validator = SyncValidator(manifest, partial=partial)
         self._buckets = iter_buckets(named_tensors, bucket_bytes, validator=validator, group_of=group_of)
         self._device = device
-        self._held = None
+        self._max_held = max_held
+        self._held: List[torch.Tensor] = []
         self.stats = SyncStats()
+
+    @property
+    def held(self) -> int:
+        """Buckets flattened and not yet released."""
+        return len(self._held)
 
     def next_payload(self) -> Optional[bytes]:
         """Serialized payload of the next bucket, or None when all were sent.
 
         Raises:
-            RuntimeError: the previous bucket was not released.
+            RuntimeError: ``max_held`` buckets are held (release one first).
             SyncValidationError: the manifest refused a tensor of the next bucket (nothing returned).
         """
-        if self._held is not None:
-            raise RuntimeError("release() the previous bucket first")
+        if len(self._held) >= self._max_held:
+            raise RuntimeError(f"release() a bucket first ({len(self._held)} held, at most {self._max_held})")
         bucket = next(self._buckets, None)
         if bucket is None:
             return None
-        data, self._held = make_payload(bucket, device=self._device)
-        self.stats.add(self._held)
+        data, flat = make_payload(bucket, device=self._device)
+        self._held.append(flat)
+        self.stats.add(flat)
         return data
 
-    def release(self) -> None:
-        """Drop the current bucket's buffer (the engine has copied it) and collect closed IPC blocks."""
-        self._held = None
+    def release(self, keep_newest: bool = False) -> None:
+        """Drop the held buckets' buffers (the engine has copied them), all or all but the newest, and
+        collect closed IPC blocks."""
+        dropped = len(self._held) - (1 if keep_newest and self._held else 0)
+        if dropped <= 0:
+            return
+        del self._held[:dropped]
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
 
