@@ -171,9 +171,7 @@ def _gap(name: str, t0: float, t1: float, others: List[dict], w: dict) -> Tuple[
     """The phase between two trainer-side spans: verl's own code, with the trainer's spans inside it
     (``torch.empty_cache``, ``torch.barrier``, ...) as children and the rest as ``(rest: verl)``."""
     inner = [s for s in others if s["pid"] == w["pid"] and t0 <= s["t0"] <= t1]
-    kids: Dict[str, float] = {}
-    for s in inner:
-        kids[s["name"]] = kids.get(s["name"], 0.0) + s["dt"]
+    kids = _per_process(inner)  # one process: the sums by name
     if kids:
         outer = [s for s in inner if not _nested(s, inner)]
         kids["(rest: verl)"] = max(t1 - t0 - sum(s["dt"] for s in outer), 0.0)
