@@ -158,6 +158,28 @@ def update_breakdown(spans: List[dict], update_s: Optional[float] = None) -> Lis
     return phases
 
 
+def update_split(phases: List[Tuple[str, float, Dict[str, float]]]) -> Tuple[float, float]:
+    """One step's weight update (the phases of :func:`update_breakdown`) split into verl's own part and
+    the rollout's, seconds; the two add up to the phases' total (``timing_s/update_weights`` when the
+    breakdown had it).
+
+    verl's part: its phases between the rollout's calls (``verl: ...``: ``empty_cache``, offload, barrier),
+    ``verl.get_per_tensor_param``, Ray's dispatch (``ray: ...``) and the time the rollout spent in verl's
+    weights generator (a ``verl.weights`` child: verl's FSDP all-gather, run as the sync reads it). The
+    rollout's part: the rest of its ``rollout.*`` phases (wake, sync, KV wake). ``gen: ...`` rows (the
+    sleep before the update) are in neither.
+    """
+    verl = rollout = 0.0
+    for name, secs, kids in phases:
+        if name.startswith(("verl", "ray:")):
+            verl += secs
+        elif name.startswith("rollout."):
+            generator = min(kids.get("verl.weights", 0.0), secs)
+            verl += generator
+            rollout += secs - generator
+    return verl, rollout
+
+
 def _per_process(spans: List[dict]) -> Dict[str, float]:
     """Seconds by span name: summed per process, then the mean over the processes that have it."""
     by: Dict[str, Dict[int, float]] = {}
@@ -335,7 +357,9 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         (largest device memory in use on any GPU during the run, GB = 1e9 bytes),
         ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, over the
         steps of ``metrics``: not the first, nor the sync verl runs before training, step 0) with
-        ``update_phase_order``, ``gen_phases`` with ``gen_phase_order`` (the same for
+        ``update_phase_order``, ``update_split`` (``"verl"`` / ``"rollout"`` -> ``{"median", "p90", "n",
+        "values"}``, seconds: :func:`update_split` of each of those steps), ``gen_phases`` with
+        ``gen_phase_order`` (the same for
         :func:`gen_breakdown`, over the same steps), and ``per_step`` (step -> verl timings, for the plot).
     """
     run_dir = Path(run_dir)
@@ -387,6 +411,11 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
                 if n not in order:
                     order.append(n)
     out["update_phases_per_step"] = {str(k): v for k, v in per_step_phases.items()}
+    splits = [update_split(p) for k, p in sorted(per_step_phases.items())
+              if k in later_steps and any(not name.startswith("gen: ") for name, _s, _k in p)]
+    out["update_split"] = {part: {"median": med(vals), "p90": p90(vals), "n": len(vals), "values": vals}
+                           for part, vals in (("verl", [v for v, _r in splits]), ("rollout", [r for _v, r in splits]))
+                           if vals}
     collected = _collect_phases({k: v for k, v in per_step_phases.items() if k in later_steps})
     out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
     out["update_phase_order"] = order
@@ -488,6 +517,34 @@ def _status(run: dict) -> str:
     return f"**failed after {run['steps']} of {run.get('planned_steps') or '?'} steps** ({why}{err})"
 
 
+def update_verdict(builtin: dict, ours: dict) -> Optional[str]:
+    """Why the ``timing_s/update_weights`` target is met or missed in one pair, from
+    :func:`update_split`: each side's median per-step split (verl's own phases, the rollout's), half the
+    built-in's median figure, and whether verl's phases on our side alone already exceed it (then 2x is
+    out of reach in this pair unless they get shorter) or by how much the rollout's phases miss what
+    they leave. None when a side lacks the figure or the split (a run without the probe's spans)."""
+    b_upd, o_upd = _metric(builtin, UPDATE_KEY), _metric(ours, UPDATE_KEY)
+    b_split, o_split = builtin.get("update_split") or {}, ours.get("update_split") or {}
+    if b_upd is None or o_upd is None or not all(k in d for d in (b_split, o_split) for k in ("verl", "rollout")):
+        return None
+    ms = {f"{side}_{part}": 1e3 * split[part]["median"]
+          for side, split in (("b", b_split), ("o", o_split)) for part in ("verl", "rollout")}
+    half = 500.0 * b_upd
+    head = (f"`timing_s/update_weights` per step, split (median ms over steps after the first, built-in / "
+            f"sgl-rollout): verl's own phases (its `empty_cache`, `get_per_tensor_param`, weights generator, "
+            f"offload, barrier, Ray dispatch) {ms['b_verl']:.0f} / {ms['o_verl']:.0f}; the rollout's (its "
+            f"wake, sync less verl's generator, KV wake) {ms['b_rollout']:.0f} / {ms['o_rollout']:.0f}. Half "
+            f"the built-in's figure: {half:.0f} ms. ")
+    if 1e3 * o_upd <= half:
+        return head + "The 2x target is met."
+    if ms["o_verl"] >= half:
+        return head + ("verl's own phases on our side alone take more than that: 2x is out of reach in this "
+                       "pair unless they get shorter.")
+    room = half - ms["o_verl"]
+    return head + (f"verl's own phases on our side leave {room:.0f} ms of it; the rollout's take "
+                   f"{ms['o_rollout']:.0f} ms, {ms['o_rollout'] - room:.0f} ms over.")
+
+
 def markdown(comparison: dict) -> str:
     """The report: per pair, verl's metrics (median / p90 over steps after the first) side by side, the
     targets, and the weight-update breakdown (median seconds per phase)."""
@@ -539,6 +596,9 @@ def markdown(comparison: dict) -> str:
                 lines.append(f"| {t['target']} | {_f(t['builtin'])} | {_f(t['ours'])} | "
                              f"{_f(t['ratio'], '.2f')}{extra} | {met} |")
             lines.append("")
+            verdict = update_verdict(runs["builtin"], runs["ours"])
+            if verdict:
+                lines += [verdict, ""]
         lines += _phase_table(runs, cols, "update_phases", "update_phase_order",
                               "Where `timing_s/update_weights` goes (median ms over steps after the first; "
                               "`a / b`: b's share of phase a, on the lead trainer rank and in one engine "
