@@ -357,7 +357,7 @@ class RolloutServer:
         if ok:
             await self._engine.async_flush_cache()
             if global_steps is not None:
-                self.global_steps = global_steps
+                await self.set_global_steps(global_steps)
 
     async def update_weights_from_payloads(self, payloads: List[bytes]) -> None:
         """Load one flattened bucket (inside :meth:`begin_weight_sync` / :meth:`finish_weight_sync`):
