@@ -144,8 +144,9 @@ class RolloutConfig(BaseModel):
             (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
             one persistent IPC buffer per engine and one batched copy per bucket on each side. Models
             whose layout the plan does not cover use SGLang's ``flattened_bucket`` path (logged once).
-            Off by default until the worker's whole GPU suite has passed on it (bit-exactness and the
-            bench were measured on an H100; see README "Fast-path weight sync").
+            Off by default until the worker's whole GPU suite has passed on it (bit-exactness passed at
+            TP=1 and TP=2 on two H200; see README "Fast-path weight sync"). Through verl:
+            ``engine_kwargs.sgl_rollout.fast_sync`` (:mod:`sgl_rollout.integrations.verl_config`).
         layered_summon: gather the trainer's weights one decoder layer at a time for the sync
             (verl's ``rollout.layered_summon``), so the trainer's extra peak is one layer plus one
             bucket instead of a full copy of the weights; buckets close at layer boundaries.

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
-from .config import RolloutConfig
+from .config import FAST_SYNC_LOADER, RolloutConfig
 from .engine import Generation
 from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
 
@@ -359,18 +359,29 @@ class RolloutServer:
             if global_steps is not None:
                 await self.set_global_steps(global_steps)
 
-    async def update_weights_from_payloads(self, payloads: List[bytes]) -> None:
+    async def update_weights_from_payloads(self, payloads: List[bytes], fast_path: bool = False) -> None:
         """Load one flattened bucket (inside :meth:`begin_weight_sync` / :meth:`finish_weight_sync`):
         ``payloads[r]`` is TP rank ``r``'s serialized payload.
+
+        Args:
+            payloads: one per TP rank, in rank order.
+            fast_path: the payloads are requests of the fast-path loader
+                (:data:`~sgl_rollout.config.FAST_SYNC_LOADER`, :mod:`sgl_rollout.weight_sync.receiver`),
+                which answers in each rank's status block; else SGLang's ``flattened_bucket`` format.
 
         Raises:
             RuntimeError: SGLang reports a failed load.
             MemoryStateError: the weights are released, or no sync was begun.
-            ValueError: not one payload per TP rank.
+            ValueError: not one payload per TP rank; ``fast_path`` for an engine launched without
+                ``fast_sync`` (SGLang would raise inside its scheduler for an unregistered loader,
+                killing it, so nothing is sent).
         """
         if len(payloads) != self.config.tensor_model_parallel_size:
             raise ValueError(f"{len(payloads)} payloads for TP size {self.config.tensor_model_parallel_size}")
-        ok, msg = await self._engine.async_update_weights_from_tensor(list(payloads), load_format="flattened_bucket")
+        if fast_path and not self.config.fast_sync:
+            raise ValueError("a fast-path weight sync call for an engine launched without fast_sync; nothing was sent")
+        load_format = FAST_SYNC_LOADER if fast_path else "flattened_bucket"
+        ok, msg = await self._engine.async_update_weights_from_tensor(list(payloads), load_format=load_format)
         if not ok:
             raise RuntimeError(f"SGLang failed to load a weight bucket: {msg}")
 

@@ -329,3 +329,39 @@ def two_ray_nodes(namespace: str, modules=(), num_cpus: int = 1):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+class ThreadGroup:
+    """An all-gather over ``n`` threads standing for the TP ranks' processes (torch.distributed's
+    ``all_gather_object`` semantics: every rank gets every rank's item, in rank order). A rank that never
+    comes breaks the barrier after ``timeout_s`` instead of hanging the test; ``rounds`` counts the
+    completed all-gathers."""
+
+    def __init__(self, n: int, timeout_s: float = 20.0):
+        self.n, self.slots, self.rounds = n, [None] * n, 0
+        self._barrier = threading.Barrier(n, timeout=timeout_s)
+
+    def all_gather(self, rank: int, item):
+        self.slots[rank] = item
+        if self._barrier.wait() == 0:
+            self.rounds += 1
+        out = list(self.slots)
+        self._barrier.wait()
+        return out
+
+    def run(self, fn, *args_per_rank):
+        """``fn(rank, *args)`` on one thread per rank; each rank's return value or raised exception."""
+        results = [None] * self.n
+
+        def body(rank):
+            try:
+                results[rank] = fn(rank, *(a[rank] for a in args_per_rank))
+            except BaseException as exc:  # noqa: BLE001 - handed back to the test
+                results[rank] = exc
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results

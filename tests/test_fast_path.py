@@ -11,7 +11,9 @@ the real SGLang models on a GPU in ``tests/gpu/test_fast_path_gpu.py``.
 """
 
 import copy
+import functools
 import itertools
+import threading
 import time
 
 import pytest
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from _sglang_cpu import ensure_sglang_importable
+from fakes import ThreadGroup
 from sgl_rollout.config import FAST_SYNC_LOADER
 from sgl_rollout.weight_sync import plan as plan_mod
 from sgl_rollout.weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
@@ -459,3 +462,80 @@ def test_call_time_is_split_by_the_loaders_clock():
     assert abs(t["call.request"] + t["call.loader"] + t["call.reply"] - t["call"]) < 0.01, t
     parts = ("gather.alloc", "gather.copy", "gather.serialize", "gather.wait")
     assert all(t[p] >= 0 for p in parts) and t["gather.serialize"] > 0 and sum(t[p] for p in parts) <= t["gather"], t
+
+
+class RoundOverRanks:
+    """The engine as each of several single-rank senders sees it (one process per TP rank, as under
+    verl): a call returns once every rank's payload has reached the engine, in one SGLang call."""
+
+    def __init__(self, engine, group):
+        self.engine, self.group = engine, group
+
+    def update_weights_from_tensor(self, payloads, load_format=None, flush_cache=False):
+        rank = threading.current_thread().rank
+        everyone = [p for part in self.group.all_gather(rank, payloads) for p in part]
+        if rank == 0:
+            self.engine.update_weights_from_tensor(everyone, load_format=load_format)
+        self.group.all_gather(rank, None)  # the others return once the engine answered
+        return True, "Success"
+
+    def flush_cache(self):
+        pass
+
+
+def split_senders(models, weights0, bucket_bytes, tp_size):
+    """One sender per TP rank, each serving its own rank, sharing plans and answers over threads."""
+    group = ThreadGroup(tp_size)
+    engine = RoundOverRanks(SGLangLikeEngine(models), group)
+    return group, [FastPathSender(engine, manifest_of(weights0), bucket_bytes, devices=["cpu"], tp_size=tp_size,
+                                  tp_ranks=[r], share=functools.partial(_share, group, r)) for r in range(tp_size)]
+
+
+def _share(group, rank, obj):
+    return group.all_gather(rank, obj)
+
+
+def _as_rank(rank, fn):
+    threading.current_thread().rank = rank
+    return fn()
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 3000])
+def test_one_sender_per_tp_rank_loads_what_one_sender_for_all_does(bucket_bytes):
+    kw = dict(tie=True, qk_norm=True)
+    models = [SGLangShaped(r, 2, **kw) for r in range(2)]
+    w0 = hf_weights(seed=0, **kw)
+    group, senders = split_senders(models, w0, bucket_bytes, 2)
+    for seed in (1, 2):
+        w = hf_weights(seed=seed, **kw)
+        out = group.run(lambda r, s: _as_rank(r, lambda: s.send(iter(w))), senders)
+        assert not any(isinstance(o, BaseException) for o in out), out
+        assert_same_params(models, reference(2, w, **kw))
+    # both ran the same buckets, from every rank's layout; each wrote only its own rank's buffer
+    assert out[0].n_buckets == out[1].n_buckets and all(s.covered for s in senders)
+    assert senders[0]._layouts == senders[1]._layouts and len(senders[0]._buffers) == 1
+    if bucket_bytes == 3000:
+        assert out[0].n_buckets > 5
+
+
+def test_a_loader_failure_on_one_rank_raises_on_every_rank_and_a_retry_succeeds():
+    models = [SGLangShaped(r, 2) for r in range(2)]
+    w0 = hf_weights(seed=0)
+    group, senders = split_senders(models, w0, 3000, 2)
+    group.run(lambda r, s: _as_rank(r, lambda: s.send(iter(w0))), senders)
+    senders[1].fault = "raise"
+    w = hf_weights(seed=9)
+    out = group.run(lambda r, s: _as_rank(r, lambda: s.send(iter(w))), senders)
+    assert all(isinstance(o, FastPathError) and "TP rank 1" in str(o) and "fault injected" in str(o) for o in out), out
+    group.run(lambda r, s: _as_rank(r, lambda: s.send(iter(w))), senders)
+    assert_same_params(models, reference(2, w))
+
+
+def test_serving_some_ranks_needs_share_and_matching_ranks():
+    w = hf_weights()
+    with pytest.raises(ValueError, match="needs share"):
+        FastPathSender(SGLangLikeEngine([SGLangShaped()]), manifest_of(w), 1 << 20, devices=["cpu"], tp_size=2,
+                       tp_ranks=[1])
+    with pytest.raises(ValueError, match="one rank below tp_size"):
+        FastPathSender(SGLangLikeEngine([SGLangShaped()]), manifest_of(w), 1 << 20, devices=["cpu"], tp_size=2,
+                       tp_ranks=[2], share=lambda x: [x])

@@ -176,9 +176,17 @@ def test_refusals_name_the_verl_key():
     assert args["disable_cuda_graph"] is True and args["disable_piecewise_cuda_graph"] is True
     with pytest.raises(UnsupportedVerlFeature, match="disable_piecewise_cuda_graph: not a boolean"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=maybe")
-    # the fast path is not wired through verl: the key is refused, not silently ignored
-    with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout=\{'fast_sync': True\}"):
-        mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true")
+    # the fast path is selected from verl's config; it registers the loader inside SGLang
+    _, cfg = mapped()
+    assert cfg.fast_sync is False and not cfg.to_server_args().get("custom_weight_loader")
+    _, cfg = mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true")
+    assert cfg.fast_sync is True
+    assert cfg.to_server_args()["custom_weight_loader"] == ["sgl_rollout.weight_sync.receiver.load_weights"]
+    with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout\.fast_sync='maybe': not a boolean"):
+        mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=maybe")
+    # an unknown key of ours is refused with the keys there are, not silently ignored
+    with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout\.fast_synk.*one of fast_sync"):
+        mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_synk=true")
 
 
 def test_rollout_mode_decides_what_sleep_releases():

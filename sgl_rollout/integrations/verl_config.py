@@ -32,6 +32,10 @@ Mapped (verl's semantics):
   the weights before the sync and the KV cache only after the trainer has offloaded;
 * the model's ``trust_remote_code``; the model's local path is resolved on the engine's node by
   :func:`resolve_local_model` (hdfs copy, ``use_shm``), as verl's server does.
+
+This package's own settings sit under ``engine_kwargs.sgl_rollout`` (:data:`SGL_ROLLOUT_KWARGS`):
+``fast_sync`` (``RolloutConfig.fast_sync``: weight syncs on the copy-plan fast path, each trainer worker
+sending its own TP rank's shard; ``SglRolloutAdapter._send_fast``). Any other key there is refused.
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ ROLLOUT_PREFIX = "actor_rollout_ref.rollout"
 MODEL_PREFIX = "actor_rollout_ref.model"
 #: What a user can switch to for a feature this package refuses.
 VERL_BUILTIN = "VERL_USE_EXTERNAL_PLUGINS=none (verl's built-in SGLang server)"
+
+#: ``engine_kwargs.sgl_rollout`` keys (this package's own settings in verl's config) -> what they do.
+SGL_ROLLOUT_KWARGS = {
+    "fast_sync": "bool, default false: weight syncs through the copy-plan fast path "
+                 "(RolloutConfig.fast_sync, README 'Fast-path weight sync')",
+}
 
 #: ``engine_kwargs.sglang`` keys that verl lets override its own choice -> RolloutConfig field.
 ENGINE_KWARG_OVERRIDES = {
@@ -179,13 +189,10 @@ def check_verl_features(cfg, model_config=None, prefix: str = ROLLOUT_PREFIX) ->
     if _profiler_discrete(_get(cfg, "profiler", None)):
         refuse(f"{prefix}.profiler.tool_config.<tool>.discrete", True,
                "profiling the rollout engine is not wired in sgl-rollout", f"discrete=False, or {VERL_BUILTIN}")
-    ours = _get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None)
-    if ours:
-        refuse(f"{prefix}.engine_kwargs.sgl_rollout", dict(ours),
-               "through verl, weights reach the engine from the trainer workers as flattened buckets; the "
-               "fast-path sync (fast_sync) needs a persistent IPC buffer on the trainer side that sleep could not "
-               "free, and is not wired here",
-               "no engine_kwargs.sgl_rollout key (sgl_rollout.RolloutWorker takes RolloutConfig(fast_sync=True))")
+    ours = dict(_get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {})
+    for key in sorted(set(ours) - set(SGL_ROLLOUT_KWARGS)):
+        refuse(f"{prefix}.engine_kwargs.sgl_rollout.{key}", ours[key], "not a key of sgl-rollout's verl settings",
+               "one of " + ", ".join(f"{k} ({why})" for k, why in SGL_ROLLOUT_KWARGS.items()))
     if model_config is not None and lora_as_adapter(model_config):
         model_prefix = MODEL_PREFIX if prefix == ROLLOUT_PREFIX else f"{prefix}.model"
         refuse(f"{model_prefix}.lora.merge", False,
@@ -275,6 +282,12 @@ def rollout_config_from_verl(cfg, model_path: str, model_config=None, hf_config=
                            f"{ENGINE_KWARG_FIXED[key]} ({MANAGED_SERVER_ARGS.get(key, '')}); remove the key")
         elif key in MANAGED_SERVER_ARGS:
             bad.append(f"{prefix}.engine_kwargs.sglang.{key}: {MANAGED_SERVER_ARGS[key]}; remove the key")
+    ours = _get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {}
+    if "fast_sync" in ours:
+        try:
+            kwargs["fast_sync"] = TypeAdapter(bool).validate_python(ours["fast_sync"])
+        except ValidationError:
+            bad.append(f"{prefix}.engine_kwargs.sgl_rollout.fast_sync={ours['fast_sync']!r}: not a boolean")
     if bad:
         raise UnsupportedVerlFeature("sgl-rollout (rollout.name=sglang) does not take:\n  " + "\n  ".join(bad))
     tp = int(_get(cfg, "tensor_model_parallel_size", 1) or 1)

@@ -26,6 +26,10 @@ Interfaces implemented (verl 0.9.1, read from its source):
   ``clear_kv_cache``, ``release_kv_cache``, ``resume_kv_cache``, ``start_profile``, ``stop_profile``,
   ``get_server_address``, ``set_global_steps``.
 
+Weight syncs go as flattened buckets, pipelined (:meth:`SglRolloutAdapter._send_buckets`), or with
+``engine_kwargs.sgl_rollout.fast_sync`` on the copy-plan fast path, each trainer worker writing its own
+TP rank's shard (:meth:`SglRolloutAdapter._send_fast`, :class:`_FastPathRound`).
+
 Server addresses: verl keys its request load balancer (``verl/workers/rollout/router.py``) and its
 metrics by ``server_address``, so every replica needs its own. Each server actor reserves a free TCP
 port on its node (bound, never listening) and reports ``"<node-ip>:<port>"``: unique per node and
@@ -73,6 +77,7 @@ from ..config import RolloutConfig, check_tp_layout, model_heads
 from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
 from ..ray import NodeEngineHost, RolloutServer, launch_replica, launch_rollout_server, merge_visible_devices
 from ..weight_sync import BucketStream
+from ..weight_sync.sender import FastPathSender
 from ..weight_sync import lora as lora_sync
 from .verl_config import (
     MODEL_PREFIX,
@@ -745,6 +750,78 @@ def _with_settings(cls, settings: dict):
 _UNSET = object()
 _ERR = "__sgl_rollout_error__"
 _DONE, _LOAD = "done", "load"
+#: First element of a TP rank's item in a fast-path round when that rank has ended the sync.
+_LEFT = "__sgl_rollout_left__"
+
+
+class _PeerLeft(RuntimeError):
+    """Another TP rank ended the fast-path weight sync (it failed); raised from the round that heard it."""
+
+
+class _FastPathRound:
+    """The engine as one trainer worker's :class:`~sgl_rollout.weight_sync.sender.FastPathSender` sees
+    it under verl, where each TP rank's worker owns its own rank's buffer: one round over the replica's
+    TP group per call.
+
+    :meth:`update_weights_from_tensor` all-gathers every worker's payloads; the leader hands them to
+    the engine actor's ``update_weights_from_payloads(fast_path=True)`` and broadcasts the outcome, so
+    every worker returns (or raises) once the engine has answered for every rank. :meth:`share` is the
+    sender's all-gather. :meth:`close` is the round every worker ends a sync with. A worker that fails
+    between rounds (its generator, the manifest check) goes straight to it, with its error; workers
+    still in a sync round meet that closing item there, raise :class:`_PeerLeft` and end without a
+    closing round of their own, so no worker waits for a round the others never enter. With TP size 1
+    every round is local.
+
+    Args:
+        adapter: the worker's :class:`SglRolloutAdapter` (its TP group and engine actor).
+    """
+
+    def __init__(self, adapter: "SglRolloutAdapter"):
+        self.adapter = adapter
+        self.config = adapter.rollout_config  # the sender checks the engine registers its loader
+
+    def _round(self, item) -> List[Any]:
+        got = self.adapter._all_gather((None, item))
+        left = [f"TP rank {r}: {why}" for r, (mark, why) in enumerate(got) if mark == _LEFT]
+        if left:
+            raise _PeerLeft("the weight sync ended on another TP rank: " + "; ".join(left))
+        return [x for _, x in got]
+
+    def share(self, obj) -> List[Any]:
+        """Every worker's ``obj``, in TP rank order.
+
+        Raises:
+            _PeerLeft: another worker has ended the sync.
+        """
+        return self._round(obj)
+
+    def update_weights_from_tensor(self, payloads: list, load_format: Optional[str] = None, flush_cache: bool = False):
+        """Load this round's payloads of every TP rank (``payloads``: this worker's); ``(True, "Success")``.
+
+        Raises:
+            _PeerLeft: another worker has ended the sync (nothing was loaded).
+            RuntimeError: the engine actor refused or failed the call (every worker raises it).
+        """
+        everyone = [p for part in self._round(list(payloads)) for p in part]
+        error = None
+        if self.adapter.is_leader_rank:
+            try:
+                ray.get(self.adapter.server.update_weights_from_payloads.remote(everyone, fast_path=True))
+            except Exception as exc:  # noqa: BLE001 - every TP rank must hear of it
+                error = f"{type(exc).__name__}: {exc}"
+        error = self.adapter._broadcast(error)
+        if error:
+            raise RuntimeError(f"the engine failed a fast-path weight sync call: {error}")
+        return True, "Success"
+
+    def flush_cache(self) -> None:
+        """Nothing: ``finish_weight_sync`` flushes the prefix cache."""
+
+    def close(self, error: Optional[BaseException]) -> List[str]:
+        """The closing round of a sync: every worker's error (``"TP rank r: ..."``), empty when all succeeded."""
+        why = f"{type(error).__name__}: {error}" if error is not None else ""
+        got = self.adapter._all_gather((_LEFT, why))
+        return [f"TP rank {r}: {w}" for r, (_, w) in enumerate(got) if w]
 
 
 class _AsyncToSyncIterator:
@@ -845,6 +922,8 @@ class SglRolloutAdapter(BaseRollout):
         self._manifest = _UNSET
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._server = None
+        self._fast: Optional[FastPathSender] = None
+        self._fast_off_logged = False
         #: weight syncs of this rank: full (base) syncs sent, base syncs verl offered and the rule
         #: skipped, adapter syncs
         self.base_syncs = self.base_syncs_skipped = self.adapter_syncs = 0
@@ -1030,7 +1109,8 @@ class SglRolloutAdapter(BaseRollout):
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", peft_config=None,
                              base_sync_done: bool = True, global_steps: Optional[int] = None, **kwargs):
-        """Stream ``weights`` to the engine in flattened buckets, one weight sync.
+        """Stream ``weights`` to the engine in flattened buckets (or on the fast path, :meth:`_send_fast`,
+        with ``engine_kwargs.sgl_rollout.fast_sync``), one weight sync.
 
         Every TP rank must call this and consume its generator (verl's full-tensor gathers are
         collective). The leader brackets the sync with the engine actor's ``begin_weight_sync`` /
@@ -1085,7 +1165,86 @@ class SglRolloutAdapter(BaseRollout):
                             self.sleep_level, self.rollout_config.free_cache_engine)
                 return
         self._ensure_tp_group()
-        await self._send_buckets(self._named_tensors(weights), global_steps)
+        fast = self._fast_sender()
+        if fast is not None:
+            await self._send_fast(fast, self._named_tensors(weights), global_steps)
+        else:
+            await self._send_buckets(self._named_tensors(weights), global_steps)
+
+    def _fast_sender(self) -> Optional[FastPathSender]:
+        """This worker's fast-path sender (made on the first weight sync), or None: the flattened buckets.
+
+        None when ``engine_kwargs.sgl_rollout.fast_sync`` is off, and (logged once) without CUDA or
+        without the model's weight manifest (``validate_sync`` off, FP8, or unreadable), or when another
+        TP rank of the replica lacks one of those (all TP ranks take the same path).
+        """
+        if self._fast is not None or not self.rollout_config.fast_sync:
+            return self._fast
+        reason = ""
+        if not torch.cuda.is_available():
+            reason = "no CUDA device in this trainer worker"
+        elif self._sync_manifest() is None:
+            reason = "no weight manifest (validate_sync off, FP8, or unreadable): the copy plan is made from it"
+        reasons = [r for r in self._all_gather(reason) if r]
+        if reasons:
+            if not self._fast_off_logged:
+                self._fast_off_logged = True
+                logger.warning("fast_sync is on but weight syncs go through flattened buckets: %s", reasons[0])
+            return None
+        rnd = _FastPathRound(self)
+        self._fast = FastPathSender(rnd, self._sync_manifest(), self.rollout_config.bucket_bytes,
+                                    devices=[torch.device("cuda", torch.cuda.current_device())],
+                                    tp_size=self.tp_size, tp_ranks=[self.tp_rank],
+                                    share=rnd.share if self.tp_size > 1 else None)
+        return self._fast
+
+    async def _send_fast(self, sender: FastPathSender, named, global_steps: Optional[int]) -> None:
+        """One weight sync on the fast path (``engine_kwargs.sgl_rollout.fast_sync``).
+
+        Each TP rank's worker writes its own rank's shard of each bucket of the copy plan
+        (:mod:`sgl_rollout.weight_sync.receiver`) into its buffer on its GPU, and the engine scatters
+        every rank's buffer into its parameters in one call per bucket (:class:`_FastPathRound`). After
+        the last bucket the engine closes the buffers' IPC handles and the workers free them, so no
+        trainer memory is held while the trainer runs. A failure anywhere raises on every TP rank and
+        ends the sync with ``finish_weight_sync(ok=False)``; the sender then asks for the copy plan
+        again at the next sync (the engine may have restarted).
+        """
+        from ..weight_sync.manifest import SyncValidator
+
+        leader = self.is_leader_rank
+        began = ok = False
+        error: Optional[BaseException] = None
+        try:
+            if leader:
+                await self.server.begin_weight_sync.remote()
+                began = True
+            validator = SyncValidator(self._sync_manifest())
+            if hasattr(named, "__aiter__"):  # items are pulled from this loop by a helper thread
+                loop = asyncio.get_running_loop()
+                items = _AsyncToSyncIterator(named, loop, threading.current_thread())
+                await loop.run_in_executor(self._bucket_executor(), _fast_send, sender, items, validator)
+            else:  # verl's sync generators may run collectives that must stay on this thread
+                _fast_send(sender, named, validator)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the closing round
+            error = exc
+        peers = [] if isinstance(error, _PeerLeft) else sender.engine.close(error)
+        if error is None and peers:
+            error = RuntimeError("the weight sync failed on " + "; ".join(peers))
+        ok = error is None
+        if not ok:
+            sender.reset(new_key=False)
+        else:
+            self.base_syncs += 1
+        await _aclose(named)
+        if leader and began:
+            try:
+                await self.server.finish_weight_sync.remote(ok=ok, global_steps=global_steps if ok else None)
+            except Exception:
+                if ok:
+                    raise
+                logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
+        if error is not None:
+            raise error
 
     def _submit(self, method: str, *args):
         """Start a call of the engine actor's ``method`` now; an awaitable of its answer, which raises
@@ -1212,6 +1371,12 @@ class SglRolloutAdapter(BaseRollout):
         self.adapter_syncs += 1
         if leader and global_steps is not None:
             await self.server.set_global_steps.remote(global_steps)
+
+
+def _fast_send(sender: FastPathSender, items, validator) -> None:
+    """One fast-path sync of ``items`` by ``sender``, then the buffers freed (the engine closes its handles)."""
+    sender.send(items, validator=validator)
+    sender.release()
 
 
 async def _collect(weights) -> list:

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -258,25 +258,40 @@ class FastPathSender:
     bucket is flattened into the same buffer and SGLang's own ``load_weights`` runs on views of it
     (today's flattened path, caught inside the scheduler); the reason is logged once.
 
+    One process may serve only some of the engine's TP ranks (``tp_ranks``): under verl each trainer
+    worker owns its own TP rank's buffer on its own GPU. Then every such process runs a sender in
+    lockstep, ``engine`` is a round over them all (each process hands it the payloads of its ranks; it
+    returns once the engine has loaded every rank's), and ``share`` exchanges the copy plan's layouts
+    once (so every process runs the same buckets and reads the trainer's tensors at the same points) and
+    each call's answers (so a failure on any rank raises on every process).
+
     Args:
         engine: :class:`sgl_rollout.engine.RolloutEngine` (or anything with its
             ``update_weights_from_tensor(payloads, load_format, flush_cache)`` and ``flush_cache()``),
             launched with :data:`sgl_rollout.config.FAST_SYNC_LOADER` in ``custom_weight_loader``.
+            With ``tp_ranks``, the round over the processes (``payloads``: this process's, in
+            ``tp_ranks`` order).
         manifest: the model's :class:`~.manifest.WeightManifest`.
         bucket_bytes: most bytes per bucket (and per buffer).
-        devices: one device per TP rank for that rank's buffer (the rank's GPU); None: the current
-            CUDA device for every rank (the CPU without CUDA: tests).
+        devices: one device per TP rank served, for that rank's buffer (the rank's GPU); None: the
+            current CUDA device for every rank (the CPU without CUDA: tests).
+        tp_size: the engine's TP size; with ``devices`` and no ``tp_ranks``, ``len(devices)``.
+        tp_ranks: the engine TP ranks of ``devices`` (one each); None: ``range(len(devices))``, all of them.
+        share: with ``tp_ranks`` short of every rank: ``share(obj)`` returns every process's ``obj`` in
+            TP rank order (an all-gather over the replica's TP group; it may raise to end the sync).
         gather: how a bucket is written into the buffer (:data:`GATHER_METHODS`, see :func:`_gather`):
             ``"auto"`` (default: per-piece memcpy for big pieces, one ``torch._foreach_copy_`` for many small ones),
             ``"copy"``, ``"foreach"`` or ``"cat"``. The destinations are views of the persistent buffer
             made once. All write the same bytes; ``python -m sgl_rollout.bench sync`` times each.
 
     Raises:
-        ValueError: ``gather`` is not one of :data:`GATHER_METHODS`.
+        ValueError: ``gather`` is not one of :data:`GATHER_METHODS`; ``tp_ranks`` does not match
+            ``devices`` or ``tp_size``; ``tp_ranks`` leaves ranks out and no ``share`` is given.
     """
 
     def __init__(self, engine, manifest, bucket_bytes: int, devices: Optional[Sequence] = None, tp_size: int = 1,
-                 gather: str = "auto"):
+                 gather: str = "auto", tp_ranks: Optional[Sequence[int]] = None,
+                 share: Optional[Callable[[Any], List[Any]]] = None):
         from ..config import FAST_SYNC_LOADER
 
         self.engine, self.manifest, self.bucket_bytes = engine, manifest, int(bucket_bytes)
@@ -284,6 +299,16 @@ class FastPathSender:
             dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             devices = [dev] * tp_size
         self.devices = [torch.device(d) for d in devices]
+        if tp_ranks is None:
+            tp_ranks, tp_size = range(len(self.devices)), len(self.devices)
+        self.tp_ranks = [int(r) for r in tp_ranks]
+        self._tp_size = int(tp_size)
+        if len(self.tp_ranks) != len(self.devices) or not all(0 <= r < self._tp_size for r in self.tp_ranks):
+            raise ValueError(f"tp_ranks {self.tp_ranks} must give one rank below tp_size {self._tp_size} per device "
+                             f"({len(self.devices)} devices)")
+        if len(set(self.tp_ranks)) < self._tp_size and share is None:
+            raise ValueError(f"serving TP ranks {self.tp_ranks} of {self._tp_size} needs share (the other ranks' senders)")
+        self.share = share
         if gather not in GATHER_METHODS:
             raise ValueError(f"gather must be one of {GATHER_METHODS}, got {gather!r}")
         self.gather = gather
@@ -315,8 +340,14 @@ class FastPathSender:
 
     @property
     def tp_size(self) -> int:
-        """Number of TP ranks served."""
-        return len(self.devices)
+        """The engine's TP size (``len(tp_ranks)`` when this sender serves every rank)."""
+        return self._tp_size
+
+    def _agree(self, mine: List[Any]) -> List[Any]:
+        """Every served rank's item of every process (``mine``: this process's, in ``tp_ranks`` order)."""
+        if self.share is None:
+            return list(mine)
+        return [x for part in self.share(list(mine)) for x in part]
 
     @property
     def buffer_bytes(self) -> int:
@@ -380,11 +411,11 @@ class FastPathSender:
         seq = self._seq
         t_ser = time.perf_counter()
         payloads = []
-        for r, (h, buf) in enumerate(zip(headers, buffers)):
-            h = dict(h, seq=seq, key=f"{self.key}/{r}")
+        for i, (h, buf) in enumerate(zip(headers, buffers)):
+            h = dict(h, seq=seq, key=f"{self.key}/{self.tp_ranks[i]}")
             if self.fault:
                 h["fault"], self.fault = self.fault, None
-            st = self._status_block(r)
+            st = self._status_block(i)
             payloads.append(serialize([(header_name(h), st if buf is None else buf), (STATUS_NAME, st)]))
         t_wait = self._tick("gather.serialize", t_ser)
         for d in {d for d in self.devices if d.type == "cuda"}:
@@ -397,20 +428,23 @@ class FastPathSender:
                                                                  flush_cache=False))
         m2 = time.monotonic()
         t2 = self._tick("call", t1)
-        bodies = []
-        for r in range(self.tp_size):
-            got, code, raw = _read_status(self._status[r])
+        bodies, errors = [], []
+        for i, r in enumerate(self.tp_ranks):
+            got, code, raw = _read_status(self._status[i])
+            body = json.loads(raw) if raw and got == seq else {}
             if got != seq:
-                raise FastPathError(f"TP rank {r}: the fast-path loader did not answer (is {self.load_format} in the "
-                                    "engine's custom_weight_loader?)")
-            body = json.loads(raw) if raw else {}
-            if code != OK:
-                raise FastPathError(f"TP rank {r}: the fast-path loader failed inside SGLang: {body.get('error')}")
+                errors.append(f"TP rank {r}: the fast-path loader did not answer (is {self.load_format} in the "
+                              "engine's custom_weight_loader?)")
+            elif code != OK:
+                errors.append(f"TP rank {r}: the fast-path loader failed inside SGLang: {body.get('error')}")
             t_in, t_out = body.pop("t", (m1, m1))
-            if r == 0:  # rank 0's split of the round trip (the clocks are the same CLOCK_MONOTONIC)
+            if i == 0 and not errors:  # this process's first rank's split of the round trip (one CLOCK_MONOTONIC)
                 for part, secs in (("call.request", t_in - m1), ("call.loader", t_out - t_in), ("call.reply", m2 - t_out)):
                     self.timings[part] = self.timings.get(part, 0.0) + secs
             bodies.append(body)
+        errors = [msg for part in self._agree([errors]) for msg in part]  # every process's, so all raise
+        if errors:
+            raise FastPathError("; ".join(errors))
         self._t_mark = self._tick("check", t2)
         return bodies
 
@@ -430,16 +464,21 @@ class FastPathSender:
             return self.covered
         entries = manifest_entries(self.manifest)
         headers = [dict(op="plan", manifest=entries, bucket_bytes=self.bucket_bytes,
-                        plan_id=plan_id(entries, self.bucket_bytes, r, self.tp_size)) for r in range(self.tp_size)]
-        bodies = self._call(headers, [None] * self.tp_size)
-        if not all(b.get("covered") for b in bodies):
+                        plan_id=plan_id(entries, self.bucket_bytes, r, self.tp_size)) for r in self.tp_ranks]
+        bodies = self._call(headers, [None] * len(self.tp_ranks))
+        # every rank's answer on every process: each runs the same buckets in the same order
+        answers = sorted(self._agree([(r, bool(b.get("covered")), b.get("reason", ""), b.get("chunks"))
+                                      for r, b in zip(self.tp_ranks, bodies)]), key=lambda a: a[0])
+        if [a[0] for a in answers] != list(range(self.tp_size)):
+            raise FastPathError(f"copy plans came for TP ranks {[a[0] for a in answers]}, not each of {self.tp_size}")
+        if not all(a[1] for a in answers):
             self.covered = False
-            self.reason = "; ".join(b.get("reason", "") for b in bodies if not b.get("covered"))
+            self.reason = "; ".join(a[2] for a in answers if not a[1])
             logger.warning("weight sync: the copy plan does not cover this model (%s); using SGLang's load_weights "
                            "on flattened buckets", self.reason)
             return False
         self._plan_ids = [h["plan_id"] for h in headers]
-        self._layouts = [layout([Chunk.from_list(c) for c in b["chunks"]], self.bucket_bytes) for b in bodies]
+        self._layouts = [layout([Chunk.from_list(c) for c in a[3]], self.bucket_bytes) for a in answers]
         self._program = _SendProgram(self._layouts)
         self.covered = True
         return True
@@ -489,11 +528,11 @@ class FastPathSender:
             # one buffer of min(bucket, model) bytes for the whole sync: a buffer replaced while the
             # engine still holds its handle is not freed, so growing it per bucket would double the peak
             size = max(total, min(self.bucket_bytes, model_bytes))
-            for r in range(self.tp_size):
-                flat = flatten_bucket(bucket, device=self.devices[r], out=self._buffer(r, size))
+            for i in range(len(self.tp_ranks)):
+                flat = flatten_bucket(bucket, device=self.devices[i], out=self._buffer(i, size))
                 headers.append(dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx, m.end_idx]
                                                      for m in flat.metadata]))
-                bufs.append(self._buffers[r])
+                bufs.append(self._buffers[i])
             self._call(headers, bufs)
             stats.add(flat)
         return stats
@@ -536,17 +575,18 @@ class FastPathSender:
                     wanted.discard(name)
             refuse_if_bad()
             headers, bufs = [], []
-            for r, ops in enumerate(prog.ops):
+            for i, r in enumerate(self.tp_ranks):
+                ops = prog.ops[r]
                 if b >= len(ops):
-                    headers.append(dict(op="copy", plan_id=self._plan_ids[r], bucket=-1))
+                    headers.append(dict(op="copy", plan_id=self._plan_ids[i], bucket=-1))
                     bufs.append(None)
                     continue
                 t_alloc = time.perf_counter()
-                buf = self._buffer(r, prog.buffer_bytes[r])
+                buf = self._buffer(i, prog.buffer_bytes[r])
                 t_copy = self._tick("gather.alloc", t_alloc)
-                _gather(ops[b], held, buf, lambda srcs: self._dsts(r, b, buf, ops[b], srcs), self.gather)
+                _gather(ops[b], held, buf, lambda srcs: self._dsts(i, b, buf, ops[b], srcs), self.gather)
                 self._tick("gather.copy", t_copy)
-                headers.append(dict(op="copy", plan_id=self._plan_ids[r], bucket=b))
+                headers.append(dict(op="copy", plan_id=self._plan_ids[i], bucket=b))
                 bufs.append(buf)
             self._call(headers, bufs)
             stats.n_buckets += 1
@@ -568,16 +608,16 @@ class FastPathSender:
     def ping(self) -> float:
         """Seconds of one fast-path round trip that copies nothing (op ``noop``), inside a sync fence."""
         t0 = time.perf_counter()
-        self._call([dict(op="noop") for _ in range(self.tp_size)], [None] * self.tp_size)
+        self._call([dict(op="noop") for _ in self.tp_ranks], [None] * len(self.tp_ranks))
         return time.perf_counter() - t0
 
     def digest(self) -> List[Dict[str, str]]:
-        """SHA-256 of each SGLang parameter's bytes, one dict per TP rank (for bit-exact checks).
+        """SHA-256 of each SGLang parameter's bytes, one dict per TP rank served (for bit-exact checks).
 
         Call inside a sync fence (``engine.weight_sync()``); it copies every parameter to the CPU
         inside the scheduler, so it is slow for big models.
         """
-        bodies = self._call([dict(op="digest") for _ in range(self.tp_size)], [None] * self.tp_size)
+        bodies = self._call([dict(op="digest") for _ in self.tp_ranks], [None] * len(self.tp_ranks))
         return [b["digest"] for b in bodies]
 
     # ------------------------------------------------------------- release
@@ -588,18 +628,24 @@ class FastPathSender:
         (``notify=False``: the engine's processes are gone or going). The next sync allocates again.
         """
         if notify and any(b is not None for b in self._status):
-            headers = [dict(op="release") for _ in range(self.tp_size)]
-            self._call(headers, [None] * self.tp_size)
-        self._buffers = [None] * self.tp_size
-        self._status = [None] * self.tp_size
+            self._call([dict(op="release") for _ in self.tp_ranks], [None] * len(self.tp_ranks))
+        self._buffers = [None] * len(self.tp_ranks)
+        self._status = [None] * len(self.tp_ranks)
         self._dst_views.clear()  # views keep the buffers' storage alive
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
 
-    def reset(self) -> None:
-        """Forget the engine's state after a restart (new plan, new handles); keeps nothing shared."""
+    def reset(self, new_key: bool = True) -> None:
+        """Forget the engine's state after a restart (new plan, new handles); keeps nothing shared.
+
+        Args:
+            new_key: False keeps the key, so an engine that lives on replaces the handles it still
+                holds (the old buffer's memory is freed at the next sync's first call) rather than
+                keeping them open under a key no sender uses again (after a failed sync).
+        """
         self.release(notify=False)
-        self.key = uuid.uuid4().hex
+        if new_key:
+            self.key = uuid.uuid4().hex
         self.covered, self._layouts, self._program, self.reason = None, None, None, ""
 
 
