@@ -372,6 +372,12 @@ def test_the_two_sides_differ_only_in_the_plugins_and_the_run_name(tmp_path):
                     ("+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='sgl_rollout_probe'",
                      "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='sgl_rollout,sgl_rollout_probe'")]
     assert len(verl_compare.differences()) == 2
+    # --fast-sync: one more override, on our side only, and said so
+    fb = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "b", 1, 1, 4, 0.5, python="python", fast_sync=True)
+    fo = verl_compare.side_command("ours", tmp_path / "m", tmp_path / "o", 1, 1, 4, 0.5, python="python", fast_sync=True)
+    assert fb == b
+    assert fo[-1] == verl_compare.FAST_SYNC_OVERRIDE and fo[:-1] == o
+    assert "sgl_rollout.fast_sync=true on sgl-rollout's side only" in verl_compare.differences(fast_sync=True)[2]
     # hydra composes the command's overrides (the quoted plugin list is one string, not a sweep)
     from test_verl_config import compose
 

@@ -229,18 +229,26 @@ class NvmlSampler:
 
 
 # ------------------------------------------------------------------------------------ runs
-def differences() -> List[str]:
+#: The hydra override ``--fast-sync`` adds to sgl-rollout's side only.
+FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true"
+
+
+def differences(fast_sync: bool = False) -> List[str]:
     """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
            "which rollout answers rollout.name=sglang; both load the timing probe (sgl_rollout_probe)",
            "trainer.experiment_name: compare_builtin vs compare_ours, to tell the runs apart in verl's logs"]
+    if fast_sync:
+        out.append(f"{FAST_SYNC_OVERRIDE.lstrip('+')} on sgl-rollout's side only: this package's fast-path weight "
+                   "sync (--fast-sync); verl's built-in has no such setting")
     return out
 
 
 def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int, steps: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
-                 python: str = sys.executable) -> List[str]:
-    """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``)."""
+                 python: str = sys.executable, fast_sync: bool = False) -> List[str]:
+    """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
+    ``fast_sync`` adds :data:`FAST_SYNC_OVERRIDE` to ``"ours"``."""
     from ..demo.verl_task import grpo_overrides
 
     overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps,
@@ -248,6 +256,8 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     env_keys = {"SGL_ROLLOUT_PROBE_DIR": str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
+    if fast_sync and side == "ours":
+        overrides.append(FAST_SYNC_OVERRIDE)
     return [python, "-m", "verl.trainer.main_ppo", *overrides, *extra]
 
 
@@ -441,6 +451,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--sides", default="builtin,ours", help="which sides to run (default both)")
+    p.add_argument("--fast-sync", action="store_true", help="sgl-rollout's side syncs weights on the fast path "
+                   f"({FAST_SYNC_OVERRIDE})")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="longest run, seconds")
     p.add_argument("--out", metavar="DIR", help="run folder (default runs/verl-compare-<date>-<time>)")
     p.add_argument("--title", default="", help="title of the report")
@@ -490,11 +502,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     write_parquet(out / "data", n_train=2048, n_val=n_val)
-    diffs = differences()
+    diffs = differences(args.fast_sync)
     config = {
         "title": args.title, "model": str(model_dir), "random_weights": bool(args.random_model),
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": bool(args.fast_sync),
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),
@@ -511,7 +523,7 @@ def main(args: argparse.Namespace) -> int:
             if not data.exists():
                 data.symlink_to(out / "data", target_is_directory=True)
             cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
-                               args.gpu_memory_utilization, args.overrides)
+                               args.gpu_memory_utilization, args.overrides, fast_sync=args.fast_sync)
             print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
                   flush=True)
             info = run_side(side, pair, cmd, side_env(side, run_dir), run_dir, args.steps, args.timeout_s)

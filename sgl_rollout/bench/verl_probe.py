@@ -25,7 +25,9 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   ``resume`` (``rollout.resume[<tags>]``), ``release``, ``update_weights`` (``rollout.update_weights``);
   their bucketers (verl's ``get_named_tensor_buckets``, this package's ``BucketStream.next_payload``:
   ``rollout.bucket`` busy, the weights generator included) and engine calls (verl's
-  ``sgl_update_weights`` per bucket: ``rollout.call``);
+  ``sgl_update_weights`` per bucket: ``rollout.call``); on this package's fast path, the writes of a
+  bucket into the buffer (``_gather``: ``rollout.bucket``) and each round with its engine call
+  (``FastPathSender._call``: ``rollout.call``);
 * the engine's process (verl's ``SGLangHttpServer`` actor or this package's ``VerlRolloutServer``):
   SGLang's ``TokenizerCommunicatorMixin`` coroutines (``sglang.resume[<tags>]``, ``sglang.release[...]``,
   ``sglang.update_weights_from_tensor``, ``sglang.flush_cache``) and this package's server methods
@@ -400,6 +402,10 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.release", dict(name="rollout.release")),
     ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.update_weights", dict(name="rollout.update_weights")),
     ("sgl_rollout.weight_sync.sender", "BucketStream.next_payload", dict(name="rollout.bucket")),
+    # its fast path (engine_kwargs.sgl_rollout.fast_sync): writing a bucket into the buffer, and each
+    # round over the TP ranks with the engine's call in it
+    ("sgl_rollout.weight_sync.sender", "_gather", dict(name="rollout.bucket")),
+    ("sgl_rollout.weight_sync.sender", "FastPathSender._call", dict(name="rollout.call")),
     # the engine's process: SGLang's tokenizer manager (both sides) and this package's server actor
     ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.resume_memory_occupation",
      dict(name="sglang.resume", name_of=_tags_at(1))),

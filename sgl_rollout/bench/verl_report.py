@@ -123,8 +123,8 @@ def update_breakdown(spans: List[dict], update_s: Optional[float] = None) -> Lis
       averaged over the processes that have the name (so 2 replicas' servers give one server's
       time, and the other trainer ranks, which run the same phases side by side and wait on each
       other's collectives, are left out); a child ``rollout.bucket`` (bucketing, the weights generator
-      included) is reported less the ``verl.weights`` generator time, and what no child covers as
-      ``(rest: calls, round trips)``;
+      included) is reported less the ``verl.weights`` generator time where it reads the generator
+      (:func:`_bucketing_reads_generator`), and what no child covers as ``(rest: calls, round trips)``;
     * ``verl: ...`` for the time between them (verl's own code: ``empty_cache``, offload, barrier).
 
     Returns:
@@ -145,20 +145,34 @@ def update_breakdown(spans: List[dict], update_s: Optional[float] = None) -> Lis
         t0, t1 = top["t0"], _end(top)
         inner = [s for s in others if t0 <= s["t0"] <= t1]
         kids = _per_process(inner)
-        if "rollout.bucket" in kids and "verl.weights" in kids:
+        reads_inside = _bucketing_reads_generator(inner)
+        if reads_inside:
             kids["rollout.bucket"] = max(kids["rollout.bucket"] - kids["verl.weights"], 0.0)
         if kids:
             # the rest of the phase: what no child span covers (spans nested in another child, e.g.
             # SGLang's side of a call inside the caller's span, are not counted twice)
             outer = _per_process([s for s in inner if not _nested(s, inner)])
             covered = sum(outer.values())
-            if "rollout.bucket" in outer:
+            if reads_inside:
                 covered -= outer.get("verl.weights", 0.0)  # inside the bucketing
             kids["(rest: calls, round trips)"] = max(top["dt"] - covered, 0.0)
         phases.append((top["name"], top["dt"], kids))
         cursor, prev = max(cursor, t1), top["name"]
     phases.append(_gap(f"verl: {'start' if prev is None else prev} -> end", cursor, w1, others, w))
     return phases
+
+
+def _bucketing_reads_generator(inner: List[dict]) -> bool:
+    """True when the ``rollout.bucket`` spans among ``inner`` contain the ``verl.weights`` generator's reads.
+
+    verl's bucketer and this package's flattened path (``BucketStream.next_payload``) read the generator
+    inside their bucketing, so their first bucketing span starts no later than the generator's first
+    read; the fast path writes a bucket into its buffer (``_gather``) only after reading the tensors it
+    needs, so its first such span starts after it.
+    """
+    buckets = [s["t0"] for s in inner if s["name"] == "rollout.bucket"]
+    reads = [s["t0"] for s in inner if s["name"] == "verl.weights"]
+    return bool(buckets and reads) and min(buckets) <= min(reads)
 
 
 def update_split(phases: List[Tuple[str, float, Dict[str, float]]]) -> Tuple[float, float]:
