@@ -1,7 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
-from sgl_rollout.config import MANAGED_SERVER_ARGS, RolloutConfig, server_args_fields
+from sgl_rollout.config import FAST_SYNC_LOADER, MANAGED_SERVER_ARGS, RolloutConfig, server_args_fields
 
 
 def test_defaults_and_server_args():
@@ -76,8 +76,6 @@ def test_assignment_is_validated():
 
 
 def test_fast_sync_registers_the_loader_once_and_keeps_the_users():
-    from sgl_rollout.config import FAST_SYNC_LOADER
-
     assert "custom_weight_loader" not in RolloutConfig(model_path="/m").to_server_args()  # off by default
     kw = RolloutConfig(model_path="/m", fast_sync=True,
                        engine_kwargs={"custom_weight_loader": ["my.loader", FAST_SYNC_LOADER]}).to_server_args()
@@ -87,3 +85,14 @@ def test_fast_sync_registers_the_loader_once_and_keeps_the_users():
     import importlib
 
     assert callable(getattr(importlib.import_module(FAST_SYNC_LOADER.rsplit(".", 1)[0]), FAST_SYNC_LOADER.rsplit(".", 1)[1]))
+
+
+def test_the_gpu_suites_fast_sync_switch_changes_only_the_default():
+    """``SGL_ROLLOUT_GPU_FAST_SYNC=1 pytest -m gpu`` runs the worker's GPU suite on the fast path (tests/gpu/conftest.py)."""
+    from gpu.conftest import fast_sync_default
+
+    with fast_sync_default(True):
+        on = RolloutConfig(model_path="/m")
+        assert on.fast_sync and FAST_SYNC_LOADER in on.to_server_args()["custom_weight_loader"]
+        assert RolloutConfig(model_path="/m", fast_sync=False).fast_sync is False  # a config that sets it keeps it
+    assert RolloutConfig(model_path="/m").fast_sync is False

@@ -1,6 +1,13 @@
-"""GPU tests: selected with ``pytest -m gpu``; skipped where CUDA or SGLang's kernels are absent."""
+"""GPU tests: selected with ``pytest -m gpu``; skipped where CUDA or SGLang's kernels are absent.
 
+``SGL_ROLLOUT_GPU_FAST_SYNC=1`` runs them with ``RolloutConfig.fast_sync`` on by default (a config that
+sets it keeps its value): the worker's GPU suite on the fast-path weight sync, which is what deciding
+to make the fast path the default waits on.
+"""
+
+import contextlib
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -31,6 +38,9 @@ def pytest_unconfigure(config):
     import sys
     import threading
 
+    if getattr(config, "_sgl_rollout_fast_sync", None) is not None:
+        config._sgl_rollout_fast_sync.close()
+
     if torch.cuda.is_available():
         alive = [f"{t.name}{' (daemon)' if t.daemon else ''}" for t in threading.enumerate()]
         print(f"\nthreads at exit: {alive}", file=sys.stderr)
@@ -46,3 +56,27 @@ def _dump_stacks_if_a_test_hangs():
     faulthandler.dump_traceback_later(300, exit=True)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+@contextlib.contextmanager
+def fast_sync_default(on: bool):
+    """Inside, ``RolloutConfig(...)`` without ``fast_sync`` gets ``fast_sync=on``; the default is restored after."""
+    from sgl_rollout.config import RolloutConfig
+
+    field = RolloutConfig.model_fields["fast_sync"]
+    before, field.default = field.default, on
+    RolloutConfig.model_rebuild(force=True)
+    try:
+        yield
+    finally:
+        field.default = before
+        RolloutConfig.model_rebuild(force=True)
+
+
+
+def pytest_configure(config):
+    """With ``SGL_ROLLOUT_GPU_FAST_SYNC=1``, the whole session runs under :func:`fast_sync_default` (True),
+    set before any fixture (module-scoped workers included) builds a config."""
+    if os.environ.get("SGL_ROLLOUT_GPU_FAST_SYNC") == "1":
+        config._sgl_rollout_fast_sync = contextlib.ExitStack()
+        config._sgl_rollout_fast_sync.enter_context(fast_sync_default(True))
