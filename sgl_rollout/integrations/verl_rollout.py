@@ -1235,16 +1235,22 @@ class SglRolloutAdapter(BaseRollout):
             sender.reset(new_key=False)
         else:
             self.base_syncs += 1
+        await self._end_sync(named, began, ok, global_steps)
+        if error is not None:
+            raise error
+
+    async def _end_sync(self, named, began: bool, ok: bool, global_steps: Optional[int]) -> None:
+        """Close verl's weights generator; the leader then ends the engine's sync (``finish_weight_sync``)
+        if it began one. A failing ``finish_weight_sync`` is raised after a good sync and logged after a
+        failed one (whose own error is the one to raise)."""
         await _aclose(named)
-        if leader and began:
+        if self.is_leader_rank and began:
             try:
                 await self.server.finish_weight_sync.remote(ok=ok, global_steps=global_steps if ok else None)
             except Exception:
                 if ok:
                     raise
                 logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
-        if error is not None:
-            raise error
 
     def _submit(self, method: str, *args):
         """Start a call of the engine actor's ``method`` now; an awaitable of its answer, which raises
@@ -1311,14 +1317,7 @@ class SglRolloutAdapter(BaseRollout):
                 except Exception:  # noqa: BLE001 - the sync has failed already; this is its cleanup
                     logger.exception("the engine failed to %s while the weight sync was failing", step)
             stream.release()
-            await _aclose(named)
-            if leader and began:
-                try:
-                    await self.server.finish_weight_sync.remote(ok=ok, global_steps=global_steps if ok else None)
-                except Exception:
-                    if ok:
-                        raise
-                    logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
+            await self._end_sync(named, began, ok, global_steps)
 
     async def _base_needed(self) -> bool:
         """The engine actor's answer to the base-resend rule, the same on every TP rank."""
