@@ -77,8 +77,8 @@ from ..config import RolloutConfig, check_tp_layout, model_heads
 from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
 from ..ray import NodeEngineHost, RolloutServer, launch_replica, launch_rollout_server, merge_visible_devices
 from ..weight_sync import BucketStream
-from ..weight_sync.sender import FastPathSender
 from ..weight_sync import lora as lora_sync
+from ..weight_sync.sender import FastPathSender
 from .verl_config import (
     MODEL_PREFIX,
     ROLLOUT_PREFIX,
