@@ -1211,11 +1211,10 @@ class SglRolloutAdapter(BaseRollout):
         """
         from ..weight_sync.manifest import SyncValidator
 
-        leader = self.is_leader_rank
-        began = ok = False
+        began = False
         error: Optional[BaseException] = None
         try:
-            if leader:
+            if self.is_leader_rank:
                 await self.server.begin_weight_sync.remote()
                 began = True
             validator = SyncValidator(self._sync_manifest())

@@ -448,6 +448,10 @@ class FastPathSender:
         self._t_mark = self._tick("check", t2)
         return bodies
 
+    def _call_each(self, op: str) -> List[dict]:
+        """:meth:`_call` of request ``op`` with no bucket, for every TP rank served."""
+        return self._call([dict(op=op) for _ in self.tp_ranks], [None] * len(self.tp_ranks))
+
     def _tick(self, part: str, since: float) -> float:
         now = time.perf_counter()
         self.timings[part] = self.timings.get(part, 0.0) + now - since
@@ -608,7 +612,7 @@ class FastPathSender:
     def ping(self) -> float:
         """Seconds of one fast-path round trip that copies nothing (op ``noop``), inside a sync fence."""
         t0 = time.perf_counter()
-        self._call([dict(op="noop") for _ in self.tp_ranks], [None] * len(self.tp_ranks))
+        self._call_each("noop")
         return time.perf_counter() - t0
 
     def digest(self) -> List[Dict[str, str]]:
@@ -617,7 +621,7 @@ class FastPathSender:
         Call inside a sync fence (``engine.weight_sync()``); it copies every parameter to the CPU
         inside the scheduler, so it is slow for big models.
         """
-        bodies = self._call([dict(op="digest") for _ in self.tp_ranks], [None] * len(self.tp_ranks))
+        bodies = self._call_each("digest")
         return [b["digest"] for b in bodies]
 
     # ------------------------------------------------------------- release
@@ -628,7 +632,7 @@ class FastPathSender:
         (``notify=False``: the engine's processes are gone or going). The next sync allocates again.
         """
         if notify and any(b is not None for b in self._status):
-            self._call([dict(op="release") for _ in self.tp_ranks], [None] * len(self.tp_ranks))
+            self._call_each("release")
         self._buffers = [None] * len(self.tp_ranks)
         self._status = [None] * len(self.tp_ranks)
         self._dst_views.clear()  # views keep the buffers' storage alive
