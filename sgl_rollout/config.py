@@ -143,9 +143,12 @@ class RolloutConfig(BaseModel):
         fast_sync: sync weights through this package's copy-plan loader inside SGLang
             (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
             one persistent IPC buffer per engine and one batched copy per bucket on each side. Models
-            whose layout the plan does not cover use SGLang's ``flattened_bucket`` path (logged once).
-            Off by default until the worker's whole GPU suite has passed on it (bit-exactness passed at
-            TP=1 and TP=2 on two H200; see README "Fast-path weight sync"). Through verl:
+            whose layout the plan does not cover go through SGLang's ``load_weights`` inside the same
+            loader; without CUDA or a weight manifest the sync takes SGLang's ``flattened_bucket`` path
+            (the reason logged once). On by default since the worker's GPU suite passed on it (one
+            H100, 2026-11-26; bit-exactness at TP=1 and TP=2; README "Fast-path weight sync"). The
+            buffer (at most one bucket per TP rank) is freed before the KV cache comes back when a
+            sleep will release the weights, else kept for the next sync. Through verl:
             ``engine_kwargs.sgl_rollout.fast_sync`` (:mod:`sgl_rollout.integrations.verl_config`).
         layered_summon: gather the trainer's weights one decoder layer at a time for the sync
             (verl's ``rollout.layered_summon``), so the trainer's extra peak is one layer plus one
@@ -187,7 +190,7 @@ class RolloutConfig(BaseModel):
     max_num_seqs: Optional[int] = Field(None, ge=1)
     load_format: str = "auto"
     piecewise_cuda_graph: bool = False
-    fast_sync: bool = False
+    fast_sync: bool = True
     layered_summon: bool = False
     validate_sync: bool = True
     lora_rank: int = Field(0, ge=0, le=4096)

@@ -5,8 +5,10 @@ verl's ``SGLangRollout`` does it with ``resume(tags=["weights"])`` then ``resume
 
 1. resume ``weights`` (only the weights come back: the KV cache is still released);
 2. stream the new weights over CUDA IPC: through the copy-plan fast path
-   (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`, a persistent buffer per TP rank) when
-   ``config.fast_sync`` and the model's layout allow it, else in SGLang's flattened buckets;
+   (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`, a buffer per TP rank) when
+   ``config.fast_sync`` (the default), CUDA and the weight manifest allow it, else in SGLang's
+   flattened buckets; when the next sleep releases the weights, the fast path's buffer is freed here
+   (the engine closes its IPC handles first), else kept open for the next sync;
 3. call the trainer's offload callback (move optimizer state and parameters to CPU);
 4. ``aggressive_empty_cache()`` so the trainer's freed blocks go back to the driver;
 5. resume ``kv_cache`` (and ``cuda_graph``).
@@ -31,7 +33,7 @@ from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_em
 from .weight_sync import SyncStats, send_flattened_buckets
 from .weight_sync.bucket import NamedTensor
 from .weight_sync.layered import layer_index
-from .weight_sync.sender import FastPathSender
+from .weight_sync.sender import FastPathError, FastPathSender
 from .weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 
 logger = logging.getLogger(__name__)
@@ -177,13 +179,21 @@ class RolloutWorker:
             return []
         t0 = time.perf_counter()
         tags = self.release_tags()
-        if WEIGHTS in tags and self._fast is not None and self._fast.holds_buffers:
-            with self.engine.weight_sync():  # the engine closes its IPC handles, then the buffers are freed
-                self._fast.release()
-            t0 = self._phase("release_sync_buffers", t0)
+        if WEIGHTS in tags:  # buffers a failed sync left (a good one freed them before the KV cache came back)
+            t0 = self._release_sync_buffers(t0)
         tags = self.engine.release(tags)
         self._phase("sleep", t0)
         return tags
+
+    def _release_sync_buffers(self, t0: float) -> float:
+        """Free the fast path's buffers, if held: the engine closes its IPC handles first (op ``release``;
+        2 ms for a 2 GiB buffer on an H100), then the sender drops them. Returns the phase clock
+        (``release_sync_buffers``)."""
+        if self._fast is None or not self._fast.holds_buffers:
+            return t0
+        with self.engine.weight_sync():
+            self._fast.release()
+        return self._phase("release_sync_buffers", t0)
 
     def wake_up(self) -> List[str]:
         """Resume every released region without a weight sync (weights first, then KV cache).
@@ -291,6 +301,13 @@ class RolloutWorker:
         t0 = self._phase("sync", t0)
         if fast is not None:  # sync.gather / sync.call / sync.check: where the fast path's time went
             self.last_phase_seconds.update({f"sync.{k}": v for k, v in fast.timings.items()})
+            if self.config.free_cache_engine and WEIGHTS in self.release_tags():
+                # the next sleep releases the weights, so kept handles would save nothing: the buffer
+                # (up to one bucket per TP rank) goes before the KV cache comes back, not after
+                try:
+                    t0 = self._release_sync_buffers(t0)
+                except FastPathError as exc:  # the weights are in: keep the buffer, the sleep tries again
+                    logger.warning("fast-path buffers kept until the next sleep: %s", exc)
         if offload_trainer is not None:
             offload_trainer()
             t0 = self._phase("offload_trainer", t0)

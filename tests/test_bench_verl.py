@@ -378,6 +378,10 @@ def test_the_two_sides_differ_only_in_the_plugins_and_the_run_name(tmp_path):
     assert fb == b
     assert fo[-1] == verl_compare.FAST_SYNC_OVERRIDE and fo[:-1] == o
     assert "sgl_rollout.fast_sync=true on sgl-rollout's side only" in verl_compare.differences(fast_sync=True)[2]
+    # --no-fast-sync: the flattened buckets, likewise on our side only
+    no = verl_compare.side_command("ours", tmp_path / "m", tmp_path / "o", 1, 1, 4, 0.5, python="python", fast_sync=False)
+    assert no[-1] == "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=false" and no[:-1] == o
+    assert "fast_sync=false on sgl-rollout's side only: SGLang's flattened" in verl_compare.differences(False)[2]
     # hydra composes the command's overrides (the quoted plugin list is one string, not a sweep)
     from test_verl_config import compose
 

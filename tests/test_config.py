@@ -76,7 +76,8 @@ def test_assignment_is_validated():
 
 
 def test_fast_sync_registers_the_loader_once_and_keeps_the_users():
-    assert "custom_weight_loader" not in RolloutConfig(model_path="/m").to_server_args()  # off by default
+    assert RolloutConfig(model_path="/m").to_server_args()["custom_weight_loader"] == [FAST_SYNC_LOADER]  # the default
+    assert "custom_weight_loader" not in RolloutConfig(model_path="/m", fast_sync=False).to_server_args()
     kw = RolloutConfig(model_path="/m", fast_sync=True,
                        engine_kwargs={"custom_weight_loader": ["my.loader", FAST_SYNC_LOADER]}).to_server_args()
     assert kw["custom_weight_loader"] == ["my.loader", FAST_SYNC_LOADER]
@@ -88,11 +89,15 @@ def test_fast_sync_registers_the_loader_once_and_keeps_the_users():
 
 
 def test_the_gpu_suites_fast_sync_switch_changes_only_the_default():
-    """``SGL_ROLLOUT_GPU_FAST_SYNC=1 pytest -m gpu`` runs the worker's GPU suite on the fast path (tests/gpu/conftest.py)."""
+    """``SGL_ROLLOUT_GPU_FAST_SYNC=0 pytest -m gpu`` runs the worker's GPU suite on the flattened buckets,
+    ``=1`` on the fast path (the default) (tests/gpu/conftest.py)."""
     from gpu.conftest import fast_sync_default
 
+    with fast_sync_default(False):
+        off = RolloutConfig(model_path="/m")
+        assert not off.fast_sync and "custom_weight_loader" not in off.to_server_args()
+        assert RolloutConfig(model_path="/m", fast_sync=True).fast_sync is True  # a config that sets it keeps it
     with fast_sync_default(True):
-        on = RolloutConfig(model_path="/m")
-        assert on.fast_sync and FAST_SYNC_LOADER in on.to_server_args()["custom_weight_loader"]
-        assert RolloutConfig(model_path="/m", fast_sync=False).fast_sync is False  # a config that sets it keeps it
-    assert RolloutConfig(model_path="/m").fast_sync is False
+        assert RolloutConfig(model_path="/m").fast_sync is True
+        assert RolloutConfig(model_path="/m", fast_sync=False).fast_sync is False
+    assert RolloutConfig(model_path="/m").fast_sync is True  # the default is back

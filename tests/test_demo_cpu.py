@@ -462,5 +462,9 @@ def test_convert_gguf_tiny(tmp_path):
 def test_fast_sync_flag_reaches_the_rollout_config():
     from sgl_rollout.demo.cli import build_parser, config_from_args
 
-    assert config_from_args(build_parser().parse_args([])).fast_sync is False
+    assert config_from_args(build_parser().parse_args([])).fast_sync is True  # RolloutConfig's default
     assert config_from_args(build_parser().parse_args(["--fast-sync"])).fast_sync is True
+    assert config_from_args(build_parser().parse_args(["--no-fast-sync"])).fast_sync is False
+    # no base weights travel with --lora-base kept: nothing for the fast path to carry
+    assert config_from_args(build_parser().parse_args(["--lora", "4"])).fast_sync is False
+    assert config_from_args(build_parser().parse_args(["--lora", "4", "--lora-base", "resent"])).fast_sync is True

@@ -434,7 +434,7 @@ def test_an_engine_without_the_registered_loader_is_never_called():
     from sgl_rollout.config import RolloutConfig
 
     engine = SGLangLikeEngine([SGLangShaped()])
-    engine.config = RolloutConfig(model_path="/m")  # fast_sync off: the loader is not registered
+    engine.config = RolloutConfig(model_path="/m", fast_sync=False)  # the loader is not registered
     w = hf_weights()
     sender = FastPathSender(engine, manifest_of(w), 1 << 20, devices=["cpu"])
     with pytest.raises(FastPathError, match="not launched with"):

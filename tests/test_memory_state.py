@@ -7,6 +7,7 @@ from fakes import FakeSGLangEngine
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.engine import RolloutEngine
 from sgl_rollout.memory import MemoryState, MemoryStateError
+from sgl_rollout.weight_sync import SyncStats
 from sgl_rollout.worker import RolloutWorker
 
 
@@ -137,3 +138,71 @@ def test_free_cache_engine_false_releases_nothing():
     assert any(c[0] == "update_weights" for c in fake.calls)
     assert fake.calls[-1] == ("flush_cache",)  # awake engine: stale prefix cache is dropped
     assert serves(w)
+
+
+class RecordingFastSender:
+    """In place of the fast path's sender (no CUDA here): records when the worker sends and frees its
+    buffers, against the engine's calls."""
+
+    def __init__(self, fake):
+        self.fake, self.holds_buffers, self.timings, self.events = fake, False, {"call": 0.001}, []
+
+    def send(self, items, **kw):
+        items = list(items)
+        self.holds_buffers = True
+        self.events.append(("send", len(self.fake.calls)))
+        return SyncStats(n_tensors=len(items), n_buckets=1, bytes=sum(t.numel() * t.element_size() for _, t in items))
+
+    def release(self, notify=True):
+        self.holds_buffers = False
+        self.events.append(("release", len(self.fake.calls)))
+
+
+@pytest.mark.parametrize("cfg,freed_at_sync", [
+    ({}, True),                                # level 2: the next sleep releases the weights
+    ({"sleep_level": 1}, False),               # the weights stay: the buffer and its handles are kept
+    ({"free_cache_engine": False}, False),     # nothing is released: likewise
+])
+def test_fast_path_buffer_freed_before_the_kv_cache_only_when_the_weights_will_be_released(cfg, freed_at_sync):
+    w, fake = make_worker(**cfg)
+    w._fast = sender = RecordingFastSender(fake)
+    w.sleep()
+    before = len(fake.calls)
+    w.update_weights([("x", torch.ones(4))], offload_trainer=lambda: None)
+    weights_resumed = int(freed_at_sync)  # only level 2 with free_cache_engine released them
+    assert sender.events[0] == ("send", before + weights_resumed)  # sent after the weights came back
+    kv_resumes = [i for i, c in enumerate(fake.calls) if c == ("resume", ("kv_cache", "cuda_graph"))]
+    if freed_at_sync:
+        assert sender.events[1][0] == "release" and not sender.holds_buffers
+        assert kv_resumes and sender.events[1][1] <= kv_resumes[-1]  # freed before the KV cache came back
+        assert "release_sync_buffers" in w.last_phase_seconds
+    else:
+        assert len(sender.events) == 1 and sender.holds_buffers
+    w.sleep()  # a sleep frees nothing more (level 2) or keeps the weights and the buffer (level 1)
+    assert sum(e[0] == "release" for e in sender.events) == int(freed_at_sync)
+
+
+def test_fast_path_buffer_that_cannot_be_closed_after_a_sync_is_kept_and_the_sleep_tries_again(caplog):
+    from sgl_rollout.weight_sync.sender import FastPathError
+
+    w, fake = make_worker()
+    w._fast = sender = RecordingFastSender(fake)
+    fails = [True, True]
+
+    def release(notify=True):
+        sender.events.append(("release", len(fake.calls)))
+        if fails.pop(0):
+            raise FastPathError("the engine did not answer the release")
+        sender.holds_buffers = False
+
+    sender.release = release
+    w.sleep()
+    with caplog.at_level("WARNING", logger="sgl_rollout.worker"):
+        w.update_weights([("x", torch.ones(4))])  # the weights are in: the sync does not fail for it
+    assert "fast-path buffers kept until the next sleep" in caplog.text
+    assert sender.holds_buffers and not w.asleep and serves(w)  # the KV cache came back
+    with pytest.raises(FastPathError):
+        w.sleep()  # tried again before the weights are released; nothing was released
+    assert not fake.released and serves(w)
+    fails.append(False)
+    assert w.sleep() == ["weights", "kv_cache", "cuda_graph"] and not sender.holds_buffers

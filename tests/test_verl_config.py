@@ -176,12 +176,13 @@ def test_refusals_name_the_verl_key():
     assert args["disable_cuda_graph"] is True and args["disable_piecewise_cuda_graph"] is True
     with pytest.raises(UnsupportedVerlFeature, match="disable_piecewise_cuda_graph: not a boolean"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=maybe")
-    # the fast path is selected from verl's config; it registers the loader inside SGLang
-    _, cfg = mapped()
+    # the fast path (the default) registers the loader inside SGLang; verl's config can turn it off
+    for extra in ((), ("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true",)):
+        _, cfg = mapped(*extra)
+        assert cfg.fast_sync is True
+        assert cfg.to_server_args()["custom_weight_loader"] == ["sgl_rollout.weight_sync.receiver.load_weights"]
+    _, cfg = mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=false")
     assert cfg.fast_sync is False and not cfg.to_server_args().get("custom_weight_loader")
-    _, cfg = mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true")
-    assert cfg.fast_sync is True
-    assert cfg.to_server_args()["custom_weight_loader"] == ["sgl_rollout.weight_sync.receiver.load_weights"]
     with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout\.fast_sync='maybe': not a boolean"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=maybe")
     # an unknown key of ours is refused with the keys there are, not silently ignored

@@ -229,26 +229,36 @@ class NvmlSampler:
 
 
 # ------------------------------------------------------------------------------------ runs
-#: The hydra override ``--fast-sync`` adds to sgl-rollout's side only.
+#: The hydra override ``--fast-sync`` / ``--no-fast-sync`` add to sgl-rollout's side only (without either,
+#: that side runs ``RolloutConfig.fast_sync``'s default: the fast path).
 FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true"
 
 
-def differences(fast_sync: bool = False) -> List[str]:
+def fast_sync_override(fast_sync: Optional[bool]) -> Optional[str]:
+    """The override ``fast_sync`` (True, False, or None: the package's default) adds to sgl-rollout's side."""
+    if fast_sync is None:
+        return None
+    return FAST_SYNC_OVERRIDE if fast_sync else FAST_SYNC_OVERRIDE.replace("=true", "=false")
+
+
+def differences(fast_sync: Optional[bool] = None) -> List[str]:
     """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
            "which rollout answers rollout.name=sglang; both load the timing probe (sgl_rollout_probe)",
            "trainer.experiment_name: compare_builtin vs compare_ours, to tell the runs apart in verl's logs"]
-    if fast_sync:
-        out.append(f"{FAST_SYNC_OVERRIDE.lstrip('+')} on sgl-rollout's side only: this package's fast-path weight "
-                   "sync (--fast-sync); verl's built-in has no such setting")
+    override = fast_sync_override(fast_sync)
+    if override is not None:
+        what = ("this package's fast-path weight sync (--fast-sync, also the default)" if fast_sync else
+                "SGLang's flattened buckets instead of the fast path (--no-fast-sync)")
+        out.append(f"{override.lstrip('+')} on sgl-rollout's side only: {what}; verl's built-in has no such setting")
     return out
 
 
 def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int, steps: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
-                 python: str = sys.executable, fast_sync: bool = False) -> List[str]:
+                 python: str = sys.executable, fast_sync: Optional[bool] = None) -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
-    ``fast_sync`` adds :data:`FAST_SYNC_OVERRIDE` to ``"ours"``."""
+    ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default)."""
     from ..demo.verl_task import grpo_overrides
 
     overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps,
@@ -256,8 +266,8 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     env_keys = {"SGL_ROLLOUT_PROBE_DIR": str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
-    if fast_sync and side == "ours":
-        overrides.append(FAST_SYNC_OVERRIDE)
+    if side == "ours" and fast_sync_override(fast_sync) is not None:
+        overrides.append(fast_sync_override(fast_sync))
     return [python, "-m", "verl.trainer.main_ppo", *overrides, *extra]
 
 
@@ -438,6 +448,13 @@ def _gpu_name() -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------ command
+def _effective_fast_sync(flag: Optional[bool]) -> bool:
+    """The sync path sgl-rollout's side runs: the flag, else ``RolloutConfig.fast_sync``'s default."""
+    from ..config import RolloutConfig
+
+    return RolloutConfig.model_fields["fast_sync"].default if flag is None else flag
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``verl`` subcommand's options."""
     p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: SmolLM2-135M-Instruct "
@@ -451,8 +468,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--sides", default="builtin,ours", help="which sides to run (default both)")
-    p.add_argument("--fast-sync", action="store_true", help="sgl-rollout's side syncs weights on the fast path "
-                   f"({FAST_SYNC_OVERRIDE})")
+    p.add_argument("--fast-sync", action=argparse.BooleanOptionalAction, default=None,
+                   help="sgl-rollout's side syncs weights on the fast path (the default; this adds "
+                   f"{FAST_SYNC_OVERRIDE}); --no-fast-sync: in SGLang's flattened buckets")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="longest run, seconds")
     p.add_argument("--out", metavar="DIR", help="run folder (default runs/verl-compare-<date>-<time>)")
     p.add_argument("--title", default="", help="title of the report")
@@ -506,7 +524,7 @@ def main(args: argparse.Namespace) -> int:
     config = {
         "title": args.title, "model": str(model_dir), "random_weights": bool(args.random_model),
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
-        "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": bool(args.fast_sync),
+        "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": _effective_fast_sync(args.fast_sync),
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import List, Optional
 
-from ..config import ALL_LINEAR_MODULES
+from ..config import ALL_LINEAR_MODULES, RolloutConfig
 from .loop import LORA_BASE_MODES, DemoConfig
 
 PROG = "sgl-rollout demo"
@@ -146,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--mem-fraction", type=float, default=d.mem_fraction,
                    help="SGLang's share of GPU memory (weights + KV cache)")
     e.add_argument("--bucket-mb", type=int, default=d.bucket_mb, help="weight-sync bucket size (MiB)")
-    e.add_argument("--fast-sync", action="store_true",
-                   help="sync weights through the copy-plan fast path (persistent IPC buffer; README)")
+    e.add_argument("--fast-sync", action=argparse.BooleanOptionalAction, default=None,
+                   help="sync weights through the copy-plan fast path (the default, as RolloutConfig.fast_sync; "
+                        "README); --no-fast-sync: SGLang's flattened buckets. With --lora-base kept no base "
+                        "weights travel, so the default there is off")
     e.add_argument("--check-sync", action="store_true",
                    help="report the engine-vs-trainer logprob difference each step and fail above --sync-tol")
     e.add_argument("--sync-tol", type=float, default=d.sync_tol, help="largest accepted mean |logprob diff| (nats)")
@@ -174,7 +176,7 @@ def _check_args(p: argparse.ArgumentParser, a) -> None:
         (a.lora > 0 or (a.lora_alpha is None and a.lora_base is None and a.lora_targets is None),
          "--lora-alpha, --lora-base and --lora-targets need --lora RANK > 0"),
         (a.lora_alpha is None or a.lora_alpha > 0, "--lora-alpha must be > 0"),
-        (not (a.lora > 0 and a.fast_sync and (a.lora_base or "kept") == "kept"),
+        (not (a.lora > 0 and a.fast_sync is True and (a.lora_base or "kept") == "kept"),
          "--fast-sync has nothing to speed up with --lora-base kept: no base weights travel, and the adapter "
          "never goes through the fast path; drop --fast-sync or use --lora-base resent"),
     ]
@@ -185,6 +187,10 @@ def _check_args(p: argparse.ArgumentParser, a) -> None:
 
 def config_from_args(a) -> DemoConfig:
     """A :class:`DemoConfig` from parsed flags."""
+    fast_sync = a.fast_sync
+    if fast_sync is None:  # the package's default, except where no base weights travel
+        fast_sync = RolloutConfig.model_fields["fast_sync"].default and not (
+            a.lora > 0 and (a.lora_base or "kept") == "kept")
     return DemoConfig(
         model=a.model, gguf=a.gguf, cache_dir=a.cache_dir,
         out=a.out or time.strftime("runs/demo-%Y%m%d-%H%M%S"),
@@ -192,7 +198,7 @@ def config_from_args(a) -> DemoConfig:
         temperature=a.temperature, lr=a.lr, kl_coef=a.kl_coef, clip_eps=a.clip_eps,
         mini_batches=a.mini_batches, micro_batch=a.micro_batch, eval_every=a.eval_every,
         eval_prompts=a.eval_prompts, digits=tuple(a.digits), format_weight=a.format_weight, seed=a.seed,
-        mem_fraction=a.mem_fraction, bucket_mb=a.bucket_mb, fast_sync=a.fast_sync, check_sync=a.check_sync, sync_tol=a.sync_tol,
+        mem_fraction=a.mem_fraction, bucket_mb=a.bucket_mb, fast_sync=fast_sync, check_sync=a.check_sync, sync_tol=a.sync_tol,
         progress=not a.no_progress, engine_kwargs=dict(a.engine_arg),
         lora_rank=a.lora, lora_alpha=a.lora_alpha, lora_base=a.lora_base or "kept",
         lora_targets=tuple(a.lora_targets) if a.lora_targets else None,

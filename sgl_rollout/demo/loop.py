@@ -75,7 +75,7 @@ class DemoConfig:
         seed: seed of the problems and of the shuffling.
         mem_fraction: SGLang's share of GPU memory for weights and KV cache.
         bucket_mb: weight-sync bucket size in MiB.
-        fast_sync: sync through the copy-plan fast path (``RolloutConfig.fast_sync``).
+        fast_sync: sync through the copy-plan fast path (``RolloutConfig.fast_sync``, on by default).
         check_sync: report and enforce the engine-vs-trainer logprob check (see module docstring).
         sync_tol: largest accepted mean absolute logprob difference (nats). Two bf16 implementations
             of the same weights differ by a few hundredths; weights that did not arrive (released
@@ -111,7 +111,7 @@ class DemoConfig:
     seed: int = 0
     mem_fraction: float = 0.3
     bucket_mb: int = 512
-    fast_sync: bool = False
+    fast_sync: bool = True
     check_sync: bool = False
     sync_tol: float = 0.1
     progress: bool = True

@@ -59,7 +59,7 @@ VERL_BUILTIN = "VERL_USE_EXTERNAL_PLUGINS=none (verl's built-in SGLang server)"
 
 #: ``engine_kwargs.sgl_rollout`` keys (this package's own settings in verl's config) -> what they do.
 SGL_ROLLOUT_KWARGS = {
-    "fast_sync": "bool, default false: weight syncs through the copy-plan fast path "
+    "fast_sync": "bool, default true: weight syncs through the copy-plan fast path (false: SGLang's flattened buckets) "
                  "(RolloutConfig.fast_sync, README 'Fast-path weight sync')",
 }
 

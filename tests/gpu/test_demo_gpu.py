@@ -6,8 +6,8 @@ training moves the weights at every step (lr 1e-2). The engine's logprobs of its
 then match the trainer's under the weights just trained: with sleep level 2 the engine's weights are
 released and come back undefined, so only a working sync gives a small difference.
 
-``test_demo_lora_three_steps_tiny``: the same with ``--lora 4`` in both base modes (and resent through
-the fast path): the engine serves the trainer's adapter; the base travels only in ``resent`` mode.
+``test_demo_lora_three_steps_tiny``: the same with ``--lora 4`` in both base modes (resent on both sync
+paths): the engine serves the trainer's adapter; the base travels only in ``resent`` mode.
 """
 
 import json
@@ -62,7 +62,9 @@ def test_demo_three_steps_tiny(tmp_path, monkeypatch, capsys):
     tl = json.loads((out / "memory_timeline.json").read_text())
     phases = [r["phase"] for r in tl if r["step"] == 1]
     assert phases[:2] == ["generate", "sleep"] and phases[-1] == "resume_kv_cache"
-    assert ["resume_weights", "sync", "offload_trainer", "empty_cache", "resume_kv_cache"] == phases[-5:]
+    # the fast path (the default) frees its buffers after the sync, before the trainer offloads
+    assert ["resume_weights", "sync", "release_sync_buffers", "offload_trainer", "empty_cache",
+            "resume_kv_cache"] == phases[-6:]
     by = {r["phase"]: r["used_bytes"] for r in tl if r["step"] == 1}
     # sleep released the engine's memory; the staged wake took the KV cache back at the end
     assert by["sleep"] < by["generate"] and by["resume_kv_cache"] > by["empty_cache"]
@@ -70,8 +72,8 @@ def test_demo_three_steps_tiny(tmp_path, monkeypatch, capsys):
     assert summary["steps"] == 3 and summary["logprob_abs_diff_max"] < TOL
 
 
-@pytest.mark.parametrize("mode, extra", [("kept", []), ("resent", []), ("resent", ["--fast-sync"])],
-                         ids=["kept", "resent", "resent-fast-sync"])
+@pytest.mark.parametrize("mode, extra", [("kept", []), ("resent", ["--no-fast-sync"]), ("resent", [])],
+                         ids=["kept", "resent-flattened", "resent-fast-sync"])
 def test_demo_lora_three_steps_tiny(tmp_path, monkeypatch, capsys, mode, extra):
     """``--lora 4``: the engine serves the trainer's adapter (PEFT, base frozen) over its base weights.
     kept: sleep level 1, the base never travels; resent: sleep level 2, the base is resent every step
@@ -101,9 +103,13 @@ def test_demo_lora_three_steps_tiny(tmp_path, monkeypatch, capsys, mode, extra):
     assert summary["sleep_level"] == (1 if mode == "kept" else 2) and summary["logprob_abs_diff_max"] < TOL
     tl = json.loads((out / "memory_timeline.json").read_text())
     phases = [r["phase"] for r in tl if r["step"] == 1]
-    fast = "--fast-sync" in extra  # sleep first releases the sync buffers (the engine closes its handles)
-    assert phases[:2] == ["generate", "release_sync_buffers" if fast else "sleep"] and phases[-1] == "resume_kv_cache"
-    assert "sleep" in phases and ("release_sync_buffers" in phases) is fast
+    # the fast path (the default where the base travels) frees its buffers right after the sync, before
+    # the KV cache comes back (the engine closes its handles first); the sleep then has nothing to free
+    fast = mode == "resent" and "--no-fast-sync" not in extra
+    assert phases[:2] == ["generate", "sleep"] and phases[-1] == "resume_kv_cache"
+    if fast:
+        assert phases[phases.index("sync") + 1] == "release_sync_buffers"
+    assert ("release_sync_buffers" in phases) is fast
     if mode == "kept":
         assert phases[-4:] == ["adapter", "offload_trainer", "empty_cache", "resume_kv_cache"]
         assert "resume_weights" not in phases and "sync" not in phases
