@@ -147,8 +147,8 @@ class RolloutConfig(BaseModel):
             loader; without CUDA or a weight manifest the sync takes SGLang's ``flattened_bucket`` path
             (the reason logged once). On by default since the worker's GPU suite passed on it (one
             H100, 2026-11-26; bit-exactness at TP=1 and TP=2; README "Fast-path weight sync"). The
-            buffer (at most one bucket per TP rank) is freed before the KV cache comes back when a
-            sleep will release the weights, else kept for the next sync. Through verl:
+            buffer (at most one bucket per TP rank) is freed after each sync, before the KV cache comes
+            back, with ``free_cache_engine``; without it, kept for the next sync. Through verl:
             ``engine_kwargs.sgl_rollout.fast_sync`` (:mod:`sgl_rollout.integrations.verl_config`).
         layered_summon: gather the trainer's weights one decoder layer at a time for the sync
             (verl's ``rollout.layered_summon``), so the trainer's extra peak is one layer plus one

@@ -7,8 +7,8 @@ verl's ``SGLangRollout`` does it with ``resume(tags=["weights"])`` then ``resume
 2. stream the new weights over CUDA IPC: through the copy-plan fast path
    (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`, a buffer per TP rank) when
    ``config.fast_sync`` (the default), CUDA and the weight manifest allow it, else in SGLang's
-   flattened buckets; when the next sleep releases the weights, the fast path's buffer is freed here
-   (the engine closes its IPC handles first), else kept open for the next sync;
+   flattened buckets; with ``free_cache_engine`` the fast path's buffer is freed here (the engine
+   closes its IPC handles first), else kept open for the next sync;
 3. call the trainer's offload callback (move optimizer state and parameters to CPU);
 4. ``aggressive_empty_cache()`` so the trainer's freed blocks go back to the driver;
 5. resume ``kv_cache`` (and ``cuda_graph``).
@@ -179,7 +179,7 @@ class RolloutWorker:
             return []
         t0 = time.perf_counter()
         tags = self.release_tags()
-        if WEIGHTS in tags:  # buffers a failed sync left (a good one freed them before the KV cache came back)
+        if WEIGHTS in tags:  # buffers left by a sync whose close failed (a good one freed them already)
             t0 = self._release_sync_buffers(t0)
         tags = self.engine.release(tags)
         self._phase("sleep", t0)
@@ -301,9 +301,9 @@ class RolloutWorker:
         t0 = self._phase("sync", t0)
         if fast is not None:  # sync.gather / sync.call / sync.check: where the fast path's time went
             self.last_phase_seconds.update({f"sync.{k}": v for k, v in fast.timings.items()})
-            if self.config.free_cache_engine and WEIGHTS in self.release_tags():
-                # the next sleep releases the weights, so kept handles would save nothing: the buffer
-                # (up to one bucket per TP rank) goes before the KV cache comes back, not after
+            if self.config.free_cache_engine:
+                # the engine will sleep and the trainer run: the buffer (up to one bucket per TP rank)
+                # goes now, before the KV cache comes back, not while the trainer runs
                 try:
                     t0 = self._release_sync_buffers(t0)
                 except FastPathError as exc:  # the weights are in: keep the buffer, the sleep tries again

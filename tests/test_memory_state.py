@@ -159,17 +159,17 @@ class RecordingFastSender:
 
 
 @pytest.mark.parametrize("cfg,freed_at_sync", [
-    ({}, True),                                # level 2: the next sleep releases the weights
-    ({"sleep_level": 1}, False),               # the weights stay: the buffer and its handles are kept
-    ({"free_cache_engine": False}, False),     # nothing is released: likewise
+    ({}, True),                                # level 2: the engine sleeps, the trainer runs
+    ({"sleep_level": 1}, True),                # likewise (the weights stay resident, the buffer does not)
+    ({"free_cache_engine": False}, False),     # the engine never sleeps: the buffer and its handles are kept
 ])
-def test_fast_path_buffer_freed_before_the_kv_cache_only_when_the_weights_will_be_released(cfg, freed_at_sync):
+def test_fast_path_buffer_freed_before_the_kv_cache_when_the_engine_sleeps(cfg, freed_at_sync):
     w, fake = make_worker(**cfg)
     w._fast = sender = RecordingFastSender(fake)
     w.sleep()
     before = len(fake.calls)
     w.update_weights([("x", torch.ones(4))], offload_trainer=lambda: None)
-    weights_resumed = int(freed_at_sync)  # only level 2 with free_cache_engine released them
+    weights_resumed = int(cfg == {})  # only level 2 released them
     assert sender.events[0] == ("send", before + weights_resumed)  # sent after the weights came back
     kv_resumes = [i for i, c in enumerate(fake.calls) if c == ("resume", ("kv_cache", "cuda_graph"))]
     if freed_at_sync:
@@ -178,7 +178,7 @@ def test_fast_path_buffer_freed_before_the_kv_cache_only_when_the_weights_will_b
         assert "release_sync_buffers" in w.last_phase_seconds
     else:
         assert len(sender.events) == 1 and sender.holds_buffers
-    w.sleep()  # a sleep frees nothing more (level 2) or keeps the weights and the buffer (level 1)
+    w.sleep()  # frees nothing more
     assert sum(e[0] == "release" for e in sender.events) == int(freed_at_sync)
 
 
