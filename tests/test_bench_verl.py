@@ -390,24 +390,30 @@ def test_the_two_sides_differ_only_in_the_plugins_and_the_run_name(tmp_path):
     assert root.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS == "sgl_rollout,sgl_rollout_probe"
 
 
+class FakeNvml:
+    """pynvml's calls the sampler makes, over ``used`` (bytes per GPU) and ``procs`` ((pid, bytes) on each)."""
+
+    def __init__(self, used, procs=()):
+        self.used, self.procs = used, list(procs)
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.used)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return types.SimpleNamespace(used=self.used[h])
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [types.SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in self.procs]
+
+
 def test_nvml_sampler_keeps_the_peak_and_reports_a_missing_nvml():
-    class FakeNvml:
-        def __init__(self):
-            self.used = [100, 200]
-
-        def nvmlInit(self):
-            pass
-
-        def nvmlDeviceGetCount(self):
-            return 2
-
-        def nvmlDeviceGetHandleByIndex(self, i):
-            return i
-
-        def nvmlDeviceGetMemoryInfo(self, h):
-            return types.SimpleNamespace(used=self.used[h])
-
-    nv = FakeNvml()
+    nv = FakeNvml([100, 200])
     s = verl_compare.NvmlSampler(interval_s=0.01, nvml=nv).start()
     nv.used = [500, 150]
     import time
@@ -423,8 +429,47 @@ def test_nvml_sampler_keeps_the_peak_and_reports_a_missing_nvml():
         def nvmlInit(self):
             raise OSError("libnvidia-ml.so.1: cannot open")
 
-    out = verl_compare.NvmlSampler(nvml=NoNvml()).start().stop()
+    out = verl_compare.NvmlSampler(nvml=NoNvml([100, 200])).start().stop()
     assert out["peak_used_bytes"] == {} and "libnvidia-ml" in out["error"]
+
+
+def test_nvml_sampler_records_who_held_the_memory_at_each_gpus_peak():
+    import time
+
+    nv = FakeNvml([100], [(1, 60)])
+    s = verl_compare.NvmlSampler(interval_s=0.01, nvml=nv).start()
+    nv.used, nv.procs = [900], [(1, 60), (os.getpid(), 800), (2**22 + 7, None)]  # the peak
+    time.sleep(0.1)
+    nv.used, nv.procs = [500], [(1, 60)]  # lower: the peak's processes stay
+    time.sleep(0.05)
+    out = s.stop()
+    assert out["peak_used_bytes"] == {"0": 900}
+    procs = out["peak_processes"]["0"]
+    assert [p["used_bytes"] for p in procs] == [800, 60, None]  # largest first
+    assert procs[0]["pid"] == os.getpid() and "python" in procs[0]["name"]
+    assert procs[2]["name"] == f"pid {2**22 + 7}"  # gone (or never there): said so
+
+    class OldDriver(FakeNvml):
+        def nvmlDeviceGetComputeRunningProcesses(self, h):
+            raise RuntimeError("Not Supported")
+
+    out = verl_compare.NvmlSampler(interval_s=0.01, nvml=OldDriver([100])).start().stop()
+    assert out["peak_processes"] == {"0": []} and out["error"] is None
+
+
+@pytest.mark.parametrize("cmdline,name", [
+    (b"ray::WorkerDict.actor_rollout_compute_log_prob\0", "ray::WorkerDict"),
+    (b"ray::VerlRolloutServer\0\0", "ray::VerlRolloutServer"),
+    (b"sglang::scheduler_TP0\0", "sglang::scheduler_TP0"),
+    (b"/usr/bin/python3\0-m\0verl.trainer.main_ppo\0algorithm.adv_estimator=grpo\0", "python3 -m verl.trainer.main_ppo"),
+    (b"python\0/tmp/run/train.py\0--x\0", "python train.py"),
+    (b"", "pid 42"),
+])
+def test_process_names_are_roles_not_pids(tmp_path, cmdline, name):
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "cmdline").write_bytes(cmdline)
+    assert verl_compare.process_name(42, proc=str(tmp_path)) == name
+    assert verl_compare.process_name(43, proc=str(tmp_path)) == "pid 43"
 
 
 # ------------------------------------------------------------------------------------ TP layout

@@ -349,3 +349,36 @@ def test_no_update_verdict_without_the_split():
     b = _run(0.70, 0.30, 0.40)
     assert verl_report.update_verdict(b, {"metrics": {"timing_s/update_weights": {"median": 0.3}}}) is None
     assert verl_report.update_verdict(b, {"update_split": b["update_split"], "metrics": {}}) is None
+
+
+# ------------------------------------------------------------------------------------ memory at the peak
+def test_the_nvml_peak_is_split_by_process_where_recorded(tmp_path):
+    MiB = 2**20
+    procs = {"builtin": [(11, "ray::WorkerDict", 16000), (12, "ray::SGLangHttpServer", 500), (13, "sglang::scheduler", 58000)],
+             "ours": [(21, "ray::WorkerDict", 16000), (22, "ray::VerlRolloutServer", 519), (23, "sglang::scheduler", 58000),
+                      (24, "sglang::scheduler", 0)]}
+
+    def edit(out):
+        for side, listed in procs.items():
+            path = out / "pair1" / side / "nvml.json"
+            nv = json.loads(path.read_text())
+            peak = sum(b for _, _, b in listed) * MiB + 600 * MiB  # 600 MiB the driver's own
+            nv["peak_used_bytes"] = {"0": peak - 10 * MiB, "1": peak}  # GPU 1 has the larger peak
+            nv["peak_processes"] = {"0": [], "1": [{"pid": p, "name": n, "used_bytes": b * MiB} for p, n, b in listed]}
+            path.write_text(json.dumps(nv))
+
+    comp, md, _out = report_only(tmp_path, "complete", edit)
+    ours = comp["pairs"][0]["runs"]["ours"]["nvml_peak_processes"]
+    assert ours["gpu"] == "1" and ours["unattributed_bytes"] == 600 * MiB
+    assert ours["by_name"]["sglang::scheduler"] == 58000 * MiB  # summed over processes of one name
+    lines = md.splitlines()
+    assert "| ray::VerlRolloutServer | n/a | 519 |" in lines and "| ray::SGLangHttpServer | 500 | n/a |" in lines
+    assert "| ray::WorkerDict | 16000 | 16000 |" in lines
+    assert "| not listed by NVML (the driver's own, unlisted processes) | 600 | 600 |" in lines
+    assert lines.index("| sglang::scheduler | 58000 | 58000 |") < lines.index("| ray::WorkerDict | 16000 | 16000 |")
+
+
+def test_runs_recorded_without_processes_keep_their_report(tmp_path):
+    comp, md, _out = report_only(tmp_path, "complete")
+    assert "by process" not in md
+    assert all("nvml_peak_processes" not in r for r in comp["pairs"][0]["runs"].values())

@@ -153,8 +153,12 @@ class NvmlSampler:
 
     ``peak_used_bytes`` is the largest ``nvmlDeviceGetMemoryInfo().used`` seen per GPU (all processes:
     run the comparison on GPUs nothing else uses); ``baseline_bytes`` what was in use at :meth:`start`;
-    ``series`` one ``(seconds since start, [used bytes per GPU])`` point per second. Without NVML,
-    ``error`` says why and the peaks stay empty.
+    ``series`` one ``(seconds since start, [used bytes per GPU])`` point per second;
+    ``peak_processes`` per GPU, the processes on it at the moment of its peak
+    (``nvmlDeviceGetComputeRunningProcesses``: ``{"pid", "name", "used_bytes"}``, name from
+    :func:`process_name`), so a difference in the peak can be traced to the trainer, the engine host or
+    SGLang's scheduler (empty where the driver does not report them). Without NVML, ``error`` says why
+    and the peaks stay empty.
 
     Args:
         interval_s: seconds between samples.
@@ -165,6 +169,7 @@ class NvmlSampler:
         self.peak_used_bytes: Dict[str, int] = {}
         self.baseline_bytes: Dict[str, int] = {}
         self.series: List[list] = []
+        self.peak_processes: Dict[str, List[dict]] = {}
         self.error: Optional[str] = None
         self._nvml = nvml
         self._handles: list = []
@@ -173,6 +178,16 @@ class NvmlSampler:
 
     def _used(self) -> List[int]:
         return [int(self._nvml.nvmlDeviceGetMemoryInfo(h).used) for h in self._handles]
+
+    def _processes(self, i: int) -> List[dict]:
+        """The compute processes on GPU ``i`` now, largest first ([] where NVML cannot list them)."""
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handles[i])
+        except Exception:  # noqa: BLE001 - an older driver or a container without process info
+            return []
+        out = [{"pid": int(p.pid), "name": process_name(int(p.pid)),
+                "used_bytes": int(p.usedGpuMemory) if p.usedGpuMemory is not None else None} for p in procs]
+        return sorted(out, key=lambda p: -(p["used_bytes"] or 0))
 
     def start(self) -> "NvmlSampler":
         """Start sampling (no-op, with ``error`` set, where NVML cannot be used)."""
@@ -189,6 +204,7 @@ class NvmlSampler:
             return self
         self.baseline_bytes = {str(i): u for i, u in enumerate(used)}
         self.peak_used_bytes = dict(self.baseline_bytes)
+        self.peak_processes = {str(i): self._processes(i) for i in range(len(used))}
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="sgl-rollout-nvml", daemon=True)
         self._thread.start()
@@ -206,6 +222,7 @@ class NvmlSampler:
                 key = str(i)
                 if u > self.peak_used_bytes.get(key, 0):
                     self.peak_used_bytes[key] = u
+                    self.peak_processes[key] = self._processes(i)
             now = time.monotonic() - self._t0
             if now - last >= 1.0:
                 self.series.append([round(now, 1), used])
@@ -225,7 +242,33 @@ class NvmlSampler:
         if self._thread is not None:
             self._thread.join(timeout=2)
         return {"peak_used_bytes": self.peak_used_bytes, "baseline_bytes": self.baseline_bytes,
-                "interval_s": self.interval_s, "series": self.series, "error": self.error}
+                "interval_s": self.interval_s, "series": self.series, "peak_processes": self.peak_processes,
+                "error": self.error}
+
+
+def process_name(pid: int, proc: str = "/proc") -> str:
+    """A process's role, stable across runs: a Ray worker's title without its method
+    (``ray::WorkerDict``, ``ray::VerlRolloutServer``, ``ray::SGLangHttpServer``), a set title as is
+    (``sglang::scheduler``), else the program and its module or script (``python3 -m verl.trainer.main_ppo``);
+    ``"pid <pid>"`` where ``/proc`` cannot tell (the process is gone, or in another PID namespace)."""
+    try:
+        raw = (Path(proc) / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return f"pid {pid}"
+    args = [a for a in raw.replace(b"\0", b" ").decode(errors="replace").split() if a]
+    if not args:
+        return f"pid {pid}"
+    first = args[0]
+    if first.startswith("ray::"):
+        return first.split(".", 1)[0]
+    if "::" in first:
+        return first
+    name = os.path.basename(first)
+    if len(args) > 2 and args[1] == "-m":
+        return f"{name} -m {args[2]}"
+    if len(args) > 1 and not args[1].startswith("-"):
+        return f"{name} {os.path.basename(args[1])}"
+    return name
 
 
 # ------------------------------------------------------------------------------------ runs

@@ -371,7 +371,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         ``{"median", "p90", "n", "values"}`` over steps after the first, for :data:`TIMING_KEYS` and
         :data:`MEMORY_KEYS`, plus :data:`GEN_WAIT_KEY` where the probe recorded the sleeps), ``reward``
         and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
-        (largest device memory in use on any GPU during the run, GB = 1e9 bytes),
+        (largest device memory in use on any GPU during the run, GB = 1e9 bytes), ``nvml_peak_processes``
+        (:func:`peak_by_process`, where recorded),
         ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, over the
         steps of ``metrics``: not the first, nor the sync verl runs before training, step 0) with
         ``update_phase_order``, ``update_split`` (``"verl"`` / ``"rollout"`` -> ``{"median", "p90", "n",
@@ -409,6 +410,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     peaks = [p for p in (nvml.get("peak_used_bytes") or {}).values() if p is not None]
     out["nvml_peak_gb"] = max(peaks) / 1e9 if peaks else None
     out["nvml_error"] = nvml.get("error")
+    if (by_process := peak_by_process(nvml)) is not None:  # runs recorded before it keep their report
+        out["nvml_peak_processes"] = by_process
     spans = load_spans(run_dir / "spans")
     by_step = steps_of(spans)
     update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
@@ -605,6 +608,7 @@ def markdown(comparison: dict) -> str:
         va = [f"{_f(_first(runs[s]['val_acc']))} -> {_f(_last(runs[s]['val_acc']))}" for s in cols]
         lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
         lines.append("")
+        lines += _peak_process_table(runs, cols)
         if entry.get("targets"):
             lines.append("| target | built-in | sgl-rollout | ratio | met |")
             lines.append("| --- | ---: | ---: | ---: | --- |")
@@ -626,6 +630,50 @@ def markdown(comparison: dict) -> str:
                               "numbers; the first phase starts before verl's `gen` timer; a row `a / b` under "
                               "`last answer -> replica.sleep` is how long after the last answer b happened):")
     return "\n".join(lines) + "\n"
+
+
+def peak_by_process(nvml: dict) -> Optional[dict]:
+    """Who held the device memory at a run's NVML peak, from ``nvml.json`` (:class:`.verl_compare.NvmlSampler`).
+
+    Returns:
+        None where no process was recorded (older runs, or a driver that does not list them); else, for
+        the GPU with the largest peak: ``gpu``, ``peak_bytes``, ``by_name`` (process name -> bytes, summed
+        over the processes of one name) and ``unattributed_bytes`` (the peak less every listed process:
+        the driver's own memory and processes NVML did not list).
+    """
+    peaks = {k: v for k, v in (nvml.get("peak_used_bytes") or {}).items() if v is not None}
+    procs = nvml.get("peak_processes") or {}
+    if not peaks:
+        return None
+    gpu = max(peaks, key=peaks.get)
+    listed = [p for p in procs.get(gpu) or [] if p.get("used_bytes") is not None]
+    if not listed:
+        return None
+    by_name: Dict[str, int] = {}
+    for p in listed:
+        by_name[p["name"]] = by_name.get(p["name"], 0) + p["used_bytes"]
+    return {"gpu": gpu, "peak_bytes": peaks[gpu], "by_name": by_name,
+            "unattributed_bytes": peaks[gpu] - sum(by_name.values())}
+
+
+def _peak_process_table(runs: dict, cols: List[str]) -> List[str]:
+    """Markdown lines: device memory at each side's NVML peak by process (MiB); none without records."""
+    peaks = {s: runs[s].get("nvml_peak_processes") for s in cols}
+    if not any(peaks.values()):
+        return []
+    names = sorted({n for p in peaks.values() if p for n in p["by_name"]},
+                   key=lambda n: -max((p or {}).get("by_name", {}).get(n, 0) for p in peaks.values()))
+    mib = lambda v: _f(None if v is None else v / 2**20, ".0f")  # noqa: E731
+    out = ["Device memory at the NVML peak, by process (MiB; on each run's GPU with the largest peak: "
+           + ", ".join(f"{SIDE_LABELS[s]} GPU {peaks[s]['gpu']}" for s in cols if peaks[s]) + "):", "",
+           "| process | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
+           "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+    for n in names:
+        out.append(f"| {n} | " + " | ".join(mib((peaks[s] or {}).get("by_name", {}).get(n)) for s in cols) + " |")
+    out.append("| not listed by NVML (the driver's own, unlisted processes) | "
+               + " | ".join(mib((peaks[s] or {}).get("unattributed_bytes")) for s in cols) + " |")
+    out.append("| the peak | " + " | ".join(mib((peaks[s] or {}).get("peak_bytes")) for s in cols) + " |")
+    return out + [""]
 
 
 def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: str) -> List[str]:
