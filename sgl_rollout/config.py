@@ -142,7 +142,7 @@ class RolloutConfig(BaseModel):
             four. SGLang ``disable_piecewise_cuda_graph`` is its inverse; ``enforce_eager`` turns them off.
         fast_sync: sync weights through this package's copy-plan loader inside SGLang
             (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
-            one persistent IPC buffer per engine and one batched copy per bucket on each side. Models
+            one IPC buffer per TP rank and one batched copy per bucket on each side. Models
             whose layout the plan does not cover go through SGLang's ``load_weights`` inside the same
             loader; without CUDA or a weight manifest the sync takes SGLang's ``flattened_bucket`` path
             (the reason logged once). On by default since the worker's GPU suite passed on it (one

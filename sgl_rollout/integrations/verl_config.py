@@ -34,8 +34,9 @@ Mapped (verl's semantics):
   :func:`resolve_local_model` (hdfs copy, ``use_shm``), as verl's server does.
 
 This package's own settings sit under ``engine_kwargs.sgl_rollout`` (:data:`SGL_ROLLOUT_KWARGS`):
-``fast_sync`` (``RolloutConfig.fast_sync``: weight syncs on the copy-plan fast path, each trainer worker
-sending its own TP rank's shard; ``SglRolloutAdapter._send_fast``). Any other key there is refused.
+``fast_sync`` (``RolloutConfig.fast_sync``, on by default: weight syncs on the copy-plan fast path,
+each trainer worker sending its own TP rank's shard; ``SglRolloutAdapter._send_fast``). Any other key
+there is refused.
 """
 
 from __future__ import annotations
