@@ -236,15 +236,15 @@ def test_a_wrapped_method_of_a_class_pickled_by_value_leaves_its_globals_behind(
 _MAKE_ACTOR_CLASS = textwrap.dedent("""
     import sys
     import cloudpickle, ray, verl  # verl loads the plugins: the probe's hooks
-    from sgl_rollout.integrations import verl_rollout
-    assert getattr(verl_rollout.VerlRolloutServer.generate, "_sgl_rollout_probe", False)
-    actor = ray.remote(verl_rollout._with_settings(verl_rollout.VerlRolloutServer, {}))
+    from sgl_rollout.integrations import verl_server
+    assert getattr(verl_server.VerlRolloutServer.generate, "_sgl_rollout_probe", False)
+    actor = ray.remote(verl_server._with_settings(verl_server.VerlRolloutServer, {}))
     sys.stdout.buffer.write(cloudpickle.dumps(actor.__ray_metadata__.modified_class))
 """)
 
 _CALL_IN_A_FRESH_WORKER = textwrap.dedent("""
     import asyncio, pickle, sys
-    cls = pickle.loads(sys.stdin.buffer.read())  # imports verl_rollout, which loads the probe mid-import
+    cls = pickle.loads(sys.stdin.buffer.read())  # imports verl_server, which loads the probe mid-import
     try:
         asyncio.run(cls.generate(object.__new__(cls), [1], {}, "r", image_data=[1]))
     except NotImplementedError:
@@ -254,7 +254,7 @@ _CALL_IN_A_FRESH_WORKER = textwrap.dedent("""
 
 def test_a_ray_actor_method_stays_timed_in_a_worker_that_imports_it_before_the_probe(tmp_path):
     """Ray copies an actor class's methods at ``ray.remote``; the worker that unpickles it imports
-    ``verl_rollout``, which imports verl, which loads the probe while ``verl_rollout`` is half imported,
+    ``verl_server``, which imports verl, which loads the probe while ``verl_server`` is half imported,
     so the worker's own copy of ``VerlRolloutServer.generate`` is never patched. The wrapper made where
     the probe did patch it must travel by value and emit the span there."""
     pytest.importorskip("verl")
@@ -513,7 +513,8 @@ def test_verl_adapter_refuses_a_tp_the_model_heads_do_not_split(tmp_path, monkey
     pytest.importorskip("verl")
     from test_verl_config import compose, make_tiny_model
 
-    from sgl_rollout.integrations.verl_rollout import SglRolloutAdapter, check_verl_tp
+    from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+    from sgl_rollout.integrations.verl_config import check_verl_tp
 
     model = make_tiny_model(str(tmp_path / "tiny"))  # 4 attention heads, 2 KV heads
     root = compose("actor_rollout_ref.rollout.tensor_model_parallel_size=3", model_path=model)
@@ -540,7 +541,7 @@ def test_request_counts_reach_verls_console_at_its_default_level(tmp_path):
         import asyncio, logging
         import verl  # sets the root logger to WARNING, as in verl's driver and Ray actors
         assert logging.getLogger().level == logging.WARNING
-        from sgl_rollout.integrations.verl_rollout import VerlRolloutServer
+        from sgl_rollout.integrations.verl_server import VerlRolloutServer
         srv = VerlRolloutServer({"model_path": "/models/x", "free_cache_engine": False})
         srv._served.update(total=300, since_sleep=128)
         logging.getLogger("sgl_rollout").info("ordinary INFO stays hidden")

@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from test_verl_config import compose, make_tiny_model  # noqa: E402
 from verl.checkpoint_engine.base import CheckpointEngineWorker  # noqa: E402
 
-from sgl_rollout.integrations.verl_rollout import SglRolloutAdapter, SglRolloutReplica, VerlRolloutServer  # noqa: E402
+from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter  # noqa: E402
+from sgl_rollout.integrations.verl_server import SglRolloutReplica, VerlRolloutServer  # noqa: E402
 from sgl_rollout.weight_sync.bucket import iter_buckets  # noqa: E402
 
 
@@ -596,7 +597,7 @@ def test_verl_lora_settings_map_and_refuse(tiny_model):
     refused at start-up naming the key (no Ray needed)."""
     from verl.utils.config import omega_conf_to_dataclass
 
-    from sgl_rollout.integrations.verl_rollout import rollout_config_for_verl
+    from sgl_rollout.integrations.verl_config import rollout_config_for_verl
 
     def mapped(*overrides):
         root = compose(*overrides, model_path=tiny_model)

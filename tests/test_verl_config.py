@@ -18,12 +18,8 @@ from sgl_rollout.integrations.verl_config import (  # noqa: E402
     resolve_local_model,
     rollout_config_from_verl,
 )
-from sgl_rollout.integrations.verl_rollout import (  # noqa: E402
-    SglRolloutAdapter,
-    SglRolloutReplica,
-    format_address,
-    server_name,
-)
+from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter  # noqa: E402
+from sgl_rollout.integrations.verl_server import SglRolloutReplica, format_address, server_name  # noqa: E402
 
 
 def make_tiny_model(folder: str, hidden: int = 32, intermediate: int = 64, vocab: int = 64) -> str:

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sgl_rollout.integrations.verl_rollout as verl_rollout
+import sgl_rollout.integrations.verl_adapter as verl_adapter
 from fakes import ThreadGroup
 from sgl_rollout.config import FAST_SYNC_LOADER
-from sgl_rollout.integrations.verl_rollout import SglRolloutAdapter, _FastPathRound, _PeerLeft
+from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter, _FastPathRound, _PeerLeft
 from sgl_rollout.weight_sync.manifest import SyncValidationError
 from sgl_rollout.weight_sync.sender import FastPathError, FastPathSender
 from test_fast_path import SGLangLikeEngine, SGLangShaped, assert_same_params, hf_weights, manifest_of, reference
@@ -64,7 +64,7 @@ class Server:
 
 @pytest.fixture(autouse=True)
 def ray_get(monkeypatch):
-    monkeypatch.setattr(verl_rollout.ray, "get", lambda answer: answer.fn())
+    monkeypatch.setattr(verl_adapter.ray, "get", lambda answer: answer.fn())
 
 
 def rank_adapters(server, group, tp_size, manifest, bucket_bytes):

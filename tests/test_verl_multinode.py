@@ -22,7 +22,7 @@ import _sglang_cpu  # noqa: E402
 import fakes  # noqa: E402
 from test_verl_config import compose, make_tiny_model  # noqa: E402
 
-from sgl_rollout.integrations.verl_rollout import SglRolloutReplica, VerlNodeHost, VerlRolloutServer  # noqa: E402
+from sgl_rollout.integrations.verl_server import SglRolloutReplica, VerlNodeHost, VerlRolloutServer  # noqa: E402
 
 
 class LeaderServer(VerlRolloutServer):

@@ -43,9 +43,9 @@ def test_import_verl_loads_plugin_and_registries_return_our_classes():
         "from verl.workers.rollout.base import BaseRollout; from verl.workers.rollout.replica import RolloutReplica;"
         "print('ROLLOUT', cls.__module__ + '.' + cls.__name__, issubclass(cls, BaseRollout));"
         "print('REPLICA', rep.__module__ + '.' + rep.__name__, issubclass(rep, RolloutReplica))"))
-    assert "PATH sgl_rollout.integrations.verl_rollout.SglRolloutAdapter" in out
-    assert "ROLLOUT sgl_rollout.integrations.verl_rollout.SglRolloutAdapter True" in out
-    assert "REPLICA sgl_rollout.integrations.verl_rollout.SglRolloutReplica True" in out
+    assert "PATH sgl_rollout.integrations.verl_adapter.SglRolloutAdapter" in out
+    assert "ROLLOUT sgl_rollout.integrations.verl_adapter.SglRolloutAdapter True" in out
+    assert "REPLICA sgl_rollout.integrations.verl_server.SglRolloutReplica True" in out
     assert "LOG INFO sgl_rollout rollout.name=sglang is answered by sgl-rollout" in out
 
 
@@ -70,7 +70,7 @@ def test_broken_plugin_import_is_reported_at_warning():
 def test_verl_config_maps_to_rollout_config():
     from verl.workers.config import RolloutConfig as VerlRolloutConfig
 
-    from sgl_rollout.integrations.verl_rollout import rollout_config_from_verl
+    from sgl_rollout.integrations.verl_config import rollout_config_from_verl
 
     vc = VerlRolloutConfig(name="sglang", tensor_model_parallel_size=2, gpu_memory_utilization=0.7,
                            free_cache_engine=True, enforce_eager=True, max_num_seqs=64, load_format="dummy",
@@ -89,4 +89,4 @@ def test_doctor_reports_every_check():
                   'verl resolves "sglang" to'):
         assert any(line.startswith(label) for line in out.stdout.splitlines()), label
     assert "SGLang check enabled in engine: False" in out.stdout
-    assert "sgl_rollout.integrations.verl_rollout.SglRolloutAdapter (this package" in out.stdout
+    assert "sgl_rollout.integrations.verl_adapter.SglRolloutAdapter (this package" in out.stdout

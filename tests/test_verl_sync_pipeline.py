@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_rollout.integrations.verl_rollout import SglRolloutAdapter
+from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
 from sgl_rollout.weight_sync import BucketStream
 
 

@@ -151,7 +151,7 @@ def test_overrides_compose_into_verls_config(tmp_path, tiny_model, ngpus, tp):
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    from sgl_rollout.integrations.verl_rollout import rollout_config_from_verl
+    from sgl_rollout.integrations.verl_config import rollout_config_from_verl
 
     model_dir, _ = tiny_model
     run = tmp_path / "run"

@@ -398,9 +398,9 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("verl.workers.rollout.sglang_rollout.sglang_rollout", "get_named_tensor_buckets", {"agen": "rollout.bucket"}),
     ("verl.workers.rollout.sglang_rollout.sglang_rollout", "sgl_update_weights", dict(name="rollout.call")),
     # this package's adapter
-    ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.resume", dict(name="rollout.resume", name_of=_tags_at(1))),
-    ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.release", dict(name="rollout.release")),
-    ("sgl_rollout.integrations.verl_rollout", "SglRolloutAdapter.update_weights", dict(name="rollout.update_weights")),
+    ("sgl_rollout.integrations.verl_adapter", "SglRolloutAdapter.resume", dict(name="rollout.resume", name_of=_tags_at(1))),
+    ("sgl_rollout.integrations.verl_adapter", "SglRolloutAdapter.release", dict(name="rollout.release")),
+    ("sgl_rollout.integrations.verl_adapter", "SglRolloutAdapter.update_weights", dict(name="rollout.update_weights")),
     ("sgl_rollout.weight_sync.sender", "BucketStream.next_payload", dict(name="rollout.bucket")),
     # its fast path (engine_kwargs.sgl_rollout.fast_sync): writing a bucket into the buffer, and each
     # round over the TP ranks with the engine's call in it
@@ -425,7 +425,7 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # sleep in verl 0.9.1)
     ("verl.workers.rollout.sglang_rollout.async_sglang_server", "SGLangHttpServer.generate",
      dict(name="server.generate", watch=True)),
-    ("sgl_rollout.integrations.verl_rollout", "VerlRolloutServer.generate",
+    ("sgl_rollout.integrations.verl_server", "VerlRolloutServer.generate",
      dict(name="server.generate", watch=True, by_value=True)),
     ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
     # the client's round trip to verl's load balancer actor before it calls the server

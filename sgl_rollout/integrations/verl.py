@@ -17,13 +17,13 @@ import logging
 logger = logging.getLogger("sgl_rollout")
 
 #: What verl's ``_ROLLOUT_REGISTRY[("sglang", "async")]`` holds once registered (a class path).
-ROLLOUT_CLASS = "sgl_rollout.integrations.verl_rollout.SglRolloutAdapter"
-REPLICA_CLASS = "sgl_rollout.integrations.verl_rollout.SglRolloutReplica"
+ROLLOUT_CLASS = "sgl_rollout.integrations.verl_adapter.SglRolloutAdapter"
+REPLICA_CLASS = "sgl_rollout.integrations.verl_server.SglRolloutReplica"
 NAME = "sglang"
 
 
 def _load_replica():
-    from .verl_rollout import SglRolloutReplica
+    from .verl_server import SglRolloutReplica
 
     return SglRolloutReplica
 

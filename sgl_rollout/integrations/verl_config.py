@@ -37,6 +37,12 @@ This package's own settings sit under ``engine_kwargs.sgl_rollout`` (:data:`SGL_
 ``fast_sync`` (``RolloutConfig.fast_sync``, on by default: weight syncs on the copy-plan fast path,
 each trainer worker sending its own TP rank's shard; ``SglRolloutAdapter._send_fast``). Any other key
 there is refused.
+
+What the replica and the adapter build from it: :func:`rollout_config_for_verl` (the mapping above
+plus LoRA served as an adapter, :func:`verl_lora_settings`: level-1 sleep, as verl's own SGLang
+rollout serves it), :func:`check_served_features` (the refusals, with that LoRA mode accepted) and
+:func:`check_verl_tp` (a TP size the model's heads or the GPUs cannot take, refused before any engine
+starts).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from typing import Any, List, Optional, Tuple
 
 from pydantic import TypeAdapter, ValidationError
 
-from ..config import MANAGED_SERVER_ARGS, RolloutConfig
+from ..config import MANAGED_SERVER_ARGS, RolloutConfig, check_tp_layout, model_heads
 
 logger = logging.getLogger("sgl_rollout")
 
@@ -57,6 +63,8 @@ ROLLOUT_PREFIX = "actor_rollout_ref.rollout"
 MODEL_PREFIX = "actor_rollout_ref.model"
 #: What a user can switch to for a feature this package refuses.
 VERL_BUILTIN = "VERL_USE_EXTERNAL_PLUGINS=none (verl's built-in SGLang server)"
+#: Name of the policy adapter the verl integration loads and every request carries.
+VERL_ADAPTER_NAME = "verl_policy"
 
 #: ``engine_kwargs.sgl_rollout`` keys (this package's own settings in verl's config) -> what they do.
 SGL_ROLLOUT_KWARGS = {
@@ -369,3 +377,108 @@ def max_position_embeddings(hf_config) -> Optional[int]:
     except Exception:  # noqa: BLE001 - an unusual config: fall back to the common attribute
         value = getattr(hf_config, "max_position_embeddings", None)
         return int(value) if value else None
+
+
+class _WithoutLora:
+    """A view of verl's model config without its LoRA keys, for :func:`check_verl_features` and
+    :func:`rollout_config_from_verl`, which refuse LoRA served as an adapter; :func:`rollout_config_for_verl`
+    serves it."""
+
+    _HIDDEN = ("lora_rank", "lora")
+
+    def __init__(self, model_config):
+        self._cfg = model_config
+
+    def get(self, key, default=None):
+        return default if key in self._HIDDEN else _get(self._cfg, key, default)
+
+    def __getattr__(self, key):
+        if key.startswith("_"):
+            raise AttributeError(key)
+        return self.get(key)
+
+
+def verl_lora_settings(model_config, rollout_cfg=None) -> Optional[dict]:
+    """The LoRA settings of :class:`~sgl_rollout.config.RolloutConfig` for verl's model config, or None
+    when verl does not serve LoRA as an adapter (no rank, or ``lora.merge=True``).
+
+    Read as verl 0.9.1's SGLang server reads them (``lora_rank_of``, ``sglang_lora_target_modules``):
+    the rank from ``model.lora_rank`` (FSDP) or ``model.lora.rank`` (Megatron), ``lora_alpha`` (or
+    ``lora.alpha``), ``target_modules`` (``"all-linear"`` or a list).
+
+    Raises:
+        UnsupportedVerlFeature: a regex ``target_modules`` (SGLang takes names), FP8 rollout with an
+            adapter, or a checkpoint-engine backend other than ``naive`` (verl's checkpoint engines send
+            the base weights only, never the adapter); the message names the key.
+    """
+    if model_config is None or not lora_as_adapter(model_config):
+        return None
+    lora = _get(model_config, "lora", None) or {}
+    rank = max(int(_get(model_config, "lora_rank", 0) or 0), int(_get(lora, "rank", 0) or 0))
+    alpha = _get(model_config, "lora_alpha", None) or _get(lora, "alpha", None) or 16
+    targets = _get(model_config, "target_modules", None) or _get(lora, "target_modules", None) or "all-linear"
+    problems = []
+    if isinstance(targets, str) and targets not in ("all-linear", "all"):
+        problems.append(f"{MODEL_PREFIX}.target_modules={targets!r}: SGLang serves adapters on named modules, "
+                        "not a regex; use all-linear or list the module names")
+    elif not isinstance(targets, str):
+        targets = [str(t) for t in targets]
+    backend = _get(_get(rollout_cfg, "checkpoint_engine", None), "backend", "naive") if rollout_cfg is not None else "naive"
+    if backend != "naive":
+        problems.append(f"{ROLLOUT_PREFIX}.checkpoint_engine.backend={backend!r} with a LoRA adapter: verl's checkpoint "
+                        "engines send get_per_tensor_param()'s base weights only (no peft_config), so the adapter "
+                        f"would never reach the engine; use backend=naive (hybrid), or {MODEL_PREFIX}.lora.merge=True")
+    if rollout_cfg is not None and _get(rollout_cfg, "quantization", None) == "fp8":
+        problems.append(f"{ROLLOUT_PREFIX}.quantization='fp8' with a LoRA adapter: not served by sgl-rollout; use "
+                        f"{MODEL_PREFIX}.lora.merge=True, quantization=null, or {VERL_BUILTIN}")
+    if problems:
+        raise UnsupportedVerlFeature("sgl-rollout (rollout.name=sglang) does not serve:\n  " + "\n  ".join(problems))
+    return {"lora_rank": rank, "lora_alpha": float(alpha), "lora_target_modules": targets}
+
+
+def check_served_features(cfg, model_config) -> None:
+    """:func:`check_verl_features`, with LoRA served as an adapter accepted (and its keys checked by
+    :func:`verl_lora_settings`): what a replica of this package refuses at construction.
+
+    Raises:
+        UnsupportedVerlFeature: naming every verl key to change.
+    """
+    verl_lora_settings(model_config, cfg)
+    view = _WithoutLora(model_config) if model_config is not None and lora_as_adapter(model_config) else model_config
+    check_verl_features(cfg, view)
+
+
+def rollout_config_for_verl(cfg, model_path: str, model_config=None, hf_config=None,
+                            rollout_mode: Optional[str] = None, prefix: str = ROLLOUT_PREFIX) -> RolloutConfig:
+    """:func:`rollout_config_from_verl`, plus LoRA served as an adapter: the LoRA settings
+    of :func:`verl_lora_settings` and ``sleep_level=1`` (verl's adapter mode: the base weights stay in
+    the engine, only the KV cache is released, so the base is sent at most once)."""
+    settings = verl_lora_settings(model_config, cfg)
+    if settings is None:
+        return rollout_config_from_verl(cfg, model_path, model_config=model_config, hf_config=hf_config,
+                                        rollout_mode=rollout_mode, prefix=prefix)
+    rc = rollout_config_from_verl(cfg, model_path, model_config=_WithoutLora(model_config), hf_config=hf_config,
+                                  rollout_mode=rollout_mode, prefix=prefix)
+    return RolloutConfig(**{**rc.model_dump(), **settings, "sleep_level": 1})
+
+
+def check_verl_tp(cfg, model_config, gpus: Optional[int] = None) -> None:
+    """Refuse a rollout TP size SGLang cannot run with this model (attention or KV heads not split
+    evenly) or that needs more GPUs than ``gpus``, before any engine starts (:func:`~sgl_rollout.config.
+    tp_layout_problem`; verl's own server would lose its actor to an assertion in SGLang's scheduler).
+
+    Args:
+        cfg: verl's rollout config (``tensor_model_parallel_size``, ``data_parallel_size``).
+        model_config: verl's model config (its ``hf_config`` gives the heads), or None.
+        gpus: GPUs of the trainer world (verl colocates a replica's ranks on them), or None.
+
+    Raises:
+        TPLayoutError: one line naming the numbers and the verl key.
+    """
+    tp = int(_get(cfg, "tensor_model_parallel_size", 1) or 1)
+    dp = int(_get(cfg, "data_parallel_size", 1) or 1)
+    key = f"{ROLLOUT_PREFIX}.tensor_model_parallel_size"
+    hf_config = _get(model_config, "hf_config", None) if model_config is not None else None
+    check_tp_layout(tp, model_heads(hf_config) if hf_config is not None else None, key=key)
+    if gpus is not None:
+        check_tp_layout(tp * dp, gpus=gpus, key=f"{key} x data_parallel_size")
