@@ -425,6 +425,122 @@ def test_interrupted_sync_recovers(worker):
     assert serves(w) and not fake.dead
 
 
+# ----------------------------------------------------------------- Ctrl-C between sending a call and recording it
+@pytest.fixture
+def ctrl_c_after_send(monkeypatch):
+    """``arm(method)``: the next call of the engine double's ``method`` (``"resume_memory_occupation"``,
+    ``"async_generate"``, ``"update_weights_from_tensor"``) handed to the engine's loop gets a Ctrl-C right
+    after ``_submit`` returns, before its caller has recorded it: the window that a user's Ctrl-C (and
+    one CI run of test_interrupted_sync_recovers, on a loaded 2-core machine) can hit."""
+    original = RolloutEngine._submit
+    armed: list = []
+
+    def submit(self, make_coro, on_done=None):
+        names = []
+
+        def named():
+            coro = make_coro()  # on the engine's loop thread
+            names.append(coro.__qualname__)
+            return coro
+
+        fut = original(self, named, on_done)
+        deadline = time.monotonic() + 5
+        while not names and time.monotonic() < deadline:
+            time.sleep(0.001)
+        if armed and names and names[0].endswith("." + armed[0]):
+            armed.clear()
+            signal.raise_signal(signal.SIGINT)  # Python runs the SIGINT handler before this returns
+        return fut
+
+    monkeypatch.setattr(RolloutEngine, "_submit", submit)
+    return lambda method: armed.append(method)
+
+
+def test_ctrl_c_right_after_a_resume_is_sent_does_not_resume_twice(worker, ctrl_c_after_send):
+    """Without the hold-off the interrupt cancelled the admitted resume although SGLang runs it: the next
+    wake resumed the weights a second time, a KeyError that kills SGLang's scheduler."""
+    w, fake = worker
+    arm = ctrl_c_after_send
+    w.sleep()
+    fake.answer_delay_s = 0.3
+    arm("resume_memory_occupation")
+    with pytest.raises(KeyboardInterrupt):
+        w.engine.resume(["weights"])
+    fake.answer_delay_s = 0.0
+    w.update_weights(WEIGHTS)  # waits for the resume in flight instead of sending another
+    assert not fake.dead, fake.death_reason
+    assert [c for c in fake.calls if c[0] == "resume"] == [("resume", ("weights",)),
+                                                           ("resume", ("kv_cache", "cuda_graph"))]
+    assert serves(w)
+
+
+def test_ctrl_c_right_after_a_generate_is_sent_keeps_it_counted_and_aborts_it(worker, ctrl_c_after_send):
+    """Without the hold-off the interrupted batch was counted as ended twice and never aborted: a sleep
+    then released the memory under a running request (SGLang's idle assertion kills the scheduler)."""
+    w, fake = worker
+    arm = ctrl_c_after_send
+    fake.block = threading.Event()
+    arm("async_generate")
+    with pytest.raises(KeyboardInterrupt):
+        w.generate([[5]], {"max_new_tokens": 1})
+    deadline = time.monotonic() + 2
+    while w.engine.state.in_flight and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert any(c[0] == "abort" for c in fake.calls)  # the batch was aborted in SGLang
+    assert w.engine.state.in_flight == 0 and not fake.running
+    w.sleep()
+    assert not fake.dead, fake.death_reason
+
+
+def test_ctrl_c_right_after_a_bucket_is_sent_waits_for_its_load(worker, ctrl_c_after_send):
+    """Without the hold-off the interrupted bucket counted as answered while SGLang still loaded it, so the
+    sync's fence ended at once: a generate could run on half-loaded weights, and the bucket's buffer
+    could be freed while SGLang read it."""
+    w, fake = worker
+    arm = ctrl_c_after_send
+    w.sleep()
+    fake.answer_delay_s = 0.3
+    arm("update_weights_from_tensor")
+    with pytest.raises(KeyboardInterrupt):
+        w.update_weights(WEIGHTS)
+    assert w.engine.state.busy == "sync"  # the fence holds while SGLang loads the bucket
+    with pytest.raises(MemoryStateError):
+        w.generate([[1]])
+    w.engine.settle()
+    assert w.engine.state.busy is None  # and ends once SGLang has answered it
+    fake.answer_delay_s = 0.0
+    assert [c[0] for c in fake.calls].count("update_weights") == 1
+    w.update_weights(WEIGHTS)
+    assert not fake.dead, fake.death_reason
+    assert serves(w)
+
+
+def test_sigint_held_off_goes_to_the_handler_that_was_set():
+    """The hold-off hands a held SIGINT to whatever handler was set (a trainer's own, say) once the block
+    ends, and to none while it runs; an ignored SIGINT stays ignored."""
+    from sgl_rollout.engine.guarded import _sigint_deferred
+
+    got = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        with _sigint_deferred():
+            signal.raise_signal(signal.SIGINT)
+            assert got == []
+        assert got == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is not None and not got[1:]
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with _sigint_deferred():
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    with pytest.raises(KeyboardInterrupt):  # Python's default handler, as under pytest
+        with _sigint_deferred():
+            signal.raise_signal(signal.SIGINT)
+            done = True
+    assert done
+
+
 def test_failed_load_reported_and_retry_succeeds(worker):
     w, fake = worker
     fake.fail_next_update = True

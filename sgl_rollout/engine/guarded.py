@@ -16,6 +16,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import signal
 import threading
 import time
 import uuid
@@ -97,6 +98,41 @@ def _check_tp_for_sglang(config: RolloutConfig) -> None:
                         key="tensor_model_parallel_size" + (f" / nnodes={nnodes}" if nnodes > 1 else ""))
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Hold off Ctrl-C while a call is sent to SGLang and recorded here; raise it when the block ends.
+
+    Python raises KeyboardInterrupt in the main thread between any two bytecodes. Landing after a
+    release, resume, bucket load or generate has been handed to the engine's loop but before this
+    object recorded it, it would leave SGLang running a call this object believes was never sent: a
+    resume sent again is a ``KeyError`` that kills the scheduler, a generate counted as ended lets a
+    release trip the scheduler's idle assertion, a load counted as answered lets its buffer go while
+    SGLang reads it. Inside this block SIGINT is only noted; on leaving it the previous handler runs
+    (Python's default raises KeyboardInterrupt), after the call is sent and recorded, so the caller is
+    interrupted as before and the next call waits for SGLang's answer.
+
+    Does nothing outside the main thread (Python delivers signals there only) or where SIGINT's handler
+    was not set from Python (it could not be put back).
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    caught: List[Any] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda _signum, frame: caught.append(frame))
+    except ValueError:  # a subinterpreter's main thread: no handlers to set
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
+
 
 def _waits(method: Callable) -> Callable:
     """Mark a synchronous method that waits for SGLang's answer: on the thread of a borrowed loop
@@ -119,7 +155,8 @@ class RolloutEngine:
 
     * a release, resume or weight sync changes :attr:`state` when SGLang *answers*, even if its caller
       was interrupted (KeyboardInterrupt, ``asyncio.wait_for`` timeout, ``ray.cancel``); the next call
-      waits for the answer instead of acting on a stale state;
+      waits for the answer instead of acting on a stale state (a Ctrl-C that lands while a call is being
+      handed to the loop is held off until it is recorded, :func:`_sigint_deferred`);
     * a generate whose caller is interrupted or cancelled is aborted in SGLang by request id and stays
       counted until SGLang has ended it, so a release cannot trip the scheduler's idle assertion;
     * one lock (:class:`~sgl_rollout.memory.MemoryState`) covers check-and-act for release, resume,
@@ -458,14 +495,15 @@ class RolloutEngine:
 
     def _start_op(self, op: str, tags: List[str], released: bool) -> concurrent.futures.Future:
         cls = "ReleaseMemoryOccupationReqInput" if released else "ResumeMemoryOccupationReqInput"
-        try:
-            call = getattr(self._tm(), "release_memory_occupation" if released else "resume_memory_occupation")
-            req = _req(cls, tags=tags)
-            fut = self._submit(lambda: call(req, None), self._op_done(op, tags, released))
-        except BaseException:
-            self.state.cancel()
-            raise
-        self._last_op = fut
+        with _sigint_deferred():  # sent and recorded, or neither
+            try:
+                call = getattr(self._tm(), "release_memory_occupation" if released else "resume_memory_occupation")
+                req = _req(cls, tags=tags)
+                fut = self._submit(lambda: call(req, None), self._op_done(op, tags, released))
+            except BaseException:
+                self.state.cancel()
+                raise
+            self._last_op = fut
         return fut
 
     # ----------------------------------------------------------------- generation
@@ -475,24 +513,32 @@ class RolloutEngine:
         if lora_path is not None and not isinstance(lora_path, str):
             raise TypeError(f"lora_path must be an adapter name (str) or None, got {type(lora_path).__name__}")
         rids = [uuid.uuid4().hex for _ in batch]
-        self.state.admit_request()
+        sent = None
         try:
-            extra = {}
-            if lora_path is not None:
-                # read after admission: adapters change only inside a sync, which no request overlaps
-                adapter = self._lora.get(lora_path)
-                if adapter is None:
-                    raise ValueError(f"no LoRA adapter {lora_path!r} is loaded (loaded: {sorted(self._lora)})")
-                extra["lora_path"] = [adapter.sglang_name] * len(batch)
-            fut = self._submit(
-                lambda: self._engine.async_generate(input_ids=batch, sampling_params=dict(sampling_params or {}),
-                                                    return_logprob=return_logprob, rid=rids, **extra),
-                lambda _exc: self.state.request_done(),
-            )
+            with _sigint_deferred():  # counted and sent, or neither
+                self.state.admit_request()
+                try:
+                    extra = {}
+                    if lora_path is not None:
+                        # read after admission: adapters change only inside a sync, which no request overlaps
+                        adapter = self._lora.get(lora_path)
+                        if adapter is None:
+                            raise ValueError(f"no LoRA adapter {lora_path!r} is loaded "
+                                             f"(loaded: {sorted(self._lora)})")
+                        extra["lora_path"] = [adapter.sglang_name] * len(batch)
+                    sent = self._submit(
+                        lambda: self._engine.async_generate(input_ids=batch, sampling_params=dict(sampling_params or {}),
+                                                            return_logprob=return_logprob, rid=rids, **extra),
+                        lambda _exc: self.state.request_done(),
+                    )
+                except BaseException:
+                    self.state.request_done()
+                    raise
         except BaseException:
-            self.state.request_done()
+            if sent is not None:  # a Ctrl-C held off while the batch was sent: it runs, so abort it
+                self._abort(rids)
             raise
-        return fut, rids
+        return sent, rids
 
     def _abort(self, rids: List[str]) -> None:
         """Abort ``rids`` in SGLang (from the engine's loop); they stay counted until SGLang ends them."""
@@ -668,14 +714,15 @@ class RolloutEngine:
     def _submit_sync_op(self, fn):
         """Submit ``fn`` (a coroutine function) as the sync fence's in-flight load: an interrupted caller's
         :meth:`end_sync` waits for its answer (:meth:`_bucket_answered`). Returns its future."""
-        with self._sync_lock:
-            self._bucket_loading = True
-        try:
-            fut = self._submit(fn, self._bucket_answered)
-        except BaseException:
-            self._bucket_answered(None)
-            raise
-        self._last_op = fut
+        with _sigint_deferred():  # sent and recorded, or neither
+            with self._sync_lock:
+                self._bucket_loading = True
+            try:
+                fut = self._submit(fn, self._bucket_answered)
+            except BaseException:
+                self._bucket_answered(None)
+                raise
+            self._last_op = fut
         return fut
 
     def _start_update(self, payloads: list, load_format: Optional[str], flush_cache: bool):
