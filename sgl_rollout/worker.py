@@ -199,7 +199,9 @@ class RolloutWorker:
         """Resume every released region without a weight sync (weights first, then KV cache).
 
         With ``sleep_level=2`` and no ``enable_weights_cpu_backup`` the weights come back with
-        undefined contents: use :meth:`update_weights` instead, which syncs between the stages.
+        undefined contents: use :meth:`update_weights` instead, which syncs between the stages. After an
+        :meth:`update_weights` that resumed them and then failed or was interrupted, generates are
+        refused (MemoryStateError) until a complete sync.
 
         Returns:
             the tags resumed.
@@ -280,9 +282,11 @@ class RolloutWorker:
             validator = None
         t_start = t0 = time.perf_counter()
         if weights_released:
-            self.engine.resume([WEIGHTS])
             if not self.config.enable_weights_cpu_backup:
-                self.engine.state.sync_sent()  # undefined until a complete sync
+                # undefined until a complete sync; marked before the resume, so that a caller interrupted
+                # right after it cannot leave them looking whole to a later wake_up()
+                self.engine.state.sync_sent()
+            self.engine.resume([WEIGHTS])
             t0 = self._phase("resume_weights", t0)
         fast = self._fast_sender()
         group_of = layer_index if self.config.layered_summon else None

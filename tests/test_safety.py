@@ -515,6 +515,29 @@ def test_ctrl_c_right_after_a_bucket_is_sent_waits_for_its_load(worker, ctrl_c_a
     assert serves(w)
 
 
+def test_sync_interrupted_right_after_the_weights_resume_leaves_them_marked_undefined(worker, monkeypatch):
+    """A caller interrupted between the weights' resume and the first bucket: the weights are back with
+    undefined contents (level 2, no CPU backup), so a wake_up() that follows must not serve them."""
+    w, fake = worker
+    w.sleep()
+    resume = w.engine.resume
+
+    def resume_then_ctrl_c(tags=None):
+        resume(tags)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(w.engine, "resume", resume_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        w.update_weights(WEIGHTS)
+    monkeypatch.undo()
+    assert "weights" not in w.engine.state.released
+    w.wake_up()
+    with pytest.raises(MemoryStateError, match="did not complete"):
+        w.generate([[1]])
+    w.update_weights(WEIGHTS)
+    assert serves(w) and not fake.dead
+
+
 def test_sigint_held_off_goes_to_the_handler_that_was_set():
     """The hold-off hands a held SIGINT to whatever handler was set (a trainer's own, say) once the block
     ends, and to none while it runs; an ignored SIGINT stays ignored."""
