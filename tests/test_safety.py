@@ -456,17 +456,24 @@ def ctrl_c_after_send(monkeypatch):
     return lambda method: armed.append(method)
 
 
+def interrupted_after_send(arm, fake, method, call) -> None:
+    """``call()`` with SGLang answering 0.3 s late and a Ctrl-C right after ``method`` is sent; it must
+    raise KeyboardInterrupt. Later calls are answered at once."""
+    fake.answer_delay_s = 0.3
+    arm(method)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call()
+    finally:
+        fake.answer_delay_s = 0.0
+
+
 def test_ctrl_c_right_after_a_resume_is_sent_does_not_resume_twice(worker, ctrl_c_after_send):
     """Without the hold-off the interrupt cancelled the admitted resume although SGLang runs it: the next
     wake resumed the weights a second time, a KeyError that kills SGLang's scheduler."""
     w, fake = worker
-    arm = ctrl_c_after_send
     w.sleep()
-    fake.answer_delay_s = 0.3
-    arm("resume_memory_occupation")
-    with pytest.raises(KeyboardInterrupt):
-        w.engine.resume(["weights"])
-    fake.answer_delay_s = 0.0
+    interrupted_after_send(ctrl_c_after_send, fake, "resume_memory_occupation", lambda: w.engine.resume(["weights"]))
     w.update_weights(WEIGHTS)  # waits for the resume in flight instead of sending another
     assert not fake.dead, fake.death_reason
     assert [c for c in fake.calls if c[0] == "resume"] == [("resume", ("weights",)),
@@ -497,18 +504,13 @@ def test_ctrl_c_right_after_a_bucket_is_sent_waits_for_its_load(worker, ctrl_c_a
     sync's fence ended at once: a generate could run on half-loaded weights, and the bucket's buffer
     could be freed while SGLang read it."""
     w, fake = worker
-    arm = ctrl_c_after_send
     w.sleep()
-    fake.answer_delay_s = 0.3
-    arm("update_weights_from_tensor")
-    with pytest.raises(KeyboardInterrupt):
-        w.update_weights(WEIGHTS)
+    interrupted_after_send(ctrl_c_after_send, fake, "update_weights_from_tensor", lambda: w.update_weights(WEIGHTS))
     assert w.engine.state.busy == "sync"  # the fence holds while SGLang loads the bucket
     with pytest.raises(MemoryStateError):
         w.generate([[1]])
     w.engine.settle()
     assert w.engine.state.busy is None  # and ends once SGLang has answered it
-    fake.answer_delay_s = 0.0
     assert [c[0] for c in fake.calls].count("update_weights") == 1
     w.update_weights(WEIGHTS)
     assert not fake.dead, fake.death_reason
