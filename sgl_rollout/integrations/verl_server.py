@@ -26,8 +26,11 @@ LoRA served as an adapter (verl's ``model.lora_rank`` or ``model.lora.rank`` > 0
 KV cache is released), and every request carries the adapter (:data:`~.verl_config.VERL_ADAPTER_NAME`)
 once the trainer has loaded one (:meth:`VerlRolloutServer.load_lora_adapter`).
 
-Not supported (refused at start-up with the verl key to change, :mod:`.verl_config`): multi-node
-replicas, ``checkpoint_engine.backend=delta_sharded``, prefill/decode disaggregation, MTP rollout,
+A replica wider than a node runs as one actor per node, the leader and a :class:`VerlNodeHost` on each
+other node, hosting that node's SGLang schedulers (:meth:`SglRolloutReplica.launch_servers`).
+
+Not supported (refused at start-up with the verl key to change, :mod:`.verl_config`):
+``checkpoint_engine.backend=delta_sharded``, prefill/decode disaggregation, MTP rollout,
 routing replay, generative reward models, distillation teachers (prompt log-probabilities),
 image/audio/video inputs; with a LoRA adapter also FP8 rollout, regex ``target_modules`` and
 checkpoint-engine backends other than ``naive`` (they send the base only).
