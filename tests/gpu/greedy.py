@@ -12,6 +12,24 @@ import torch
 NEAR_TIE = 0.15
 
 
+PROMPTS = [[1, 17, 42, 99, 7], [1, 500, 3, 3, 3, 8], [1, 1000, 256], [1, 64, 65, 66, 67, 68, 69]]
+
+
+def engine_greedy(worker, prompts, n):
+    """Greedy continuation of each prompt by a ``RolloutWorker``'s engine: n new token ids each (EOS ignored)."""
+    gens = worker.generate(prompts, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})
+    return [g[0].output_ids for g in gens]
+
+
+def new_weights(model, seed):
+    """A trainer step's stand-in: every weight of the tiny test Llama redrawn in place from ``seed``
+    (matrices N(0, 0.15), norms U(0.5, 1.5)), far enough from the last ones to change greedy output."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+
+
 def hf_greedy(model, prompts, n):
     """Greedy continuation of each prompt (list of ids) by ``model`` on CUDA; n new tokens each."""
     outs = []

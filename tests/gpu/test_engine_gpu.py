@@ -11,9 +11,8 @@ from sgl_rollout.config import RolloutConfig
 from sgl_rollout.memory import MemoryStateError, device_memory
 from sgl_rollout.worker import RolloutWorker
 
-from .greedy import assert_greedy_equal
+from .greedy import PROMPTS, assert_greedy_equal, engine_greedy, new_weights
 
-PROMPTS = [[1, 17, 42, 99, 7], [1, 500, 3, 3, 3, 8], [1, 1000, 256], [1, 64, 65, 66, 67, 68, 69]]
 NEW_TOKENS = 12
 
 
@@ -30,11 +29,6 @@ def tiny(tmp_path_factory):
     worker.shutdown()
 
 
-def engine_greedy(worker, prompts, n):
-    gens = worker.generate(prompts, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})
-    return [g[0].output_ids for g in gens]
-
-
 def test_greedy_matches_hf_after_each_sync(tiny):
     worker, model = tiny
     with torch.no_grad():
@@ -43,10 +37,7 @@ def test_greedy_matches_hf_after_each_sync(tiny):
     assert_greedy_equal(model, PROMPTS, engine_greedy(worker, PROMPTS, NEW_TOKENS))
     before = [engine_greedy(worker, PROMPTS, NEW_TOKENS)]
     for seed in (1, 2):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for _, p in model.named_parameters():
-                p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        new_weights(model, seed)
         worker.sleep()
         stats = worker.update_weights(model.named_parameters())
         assert stats.n_buckets > 1  # several flattened buckets crossed over IPC

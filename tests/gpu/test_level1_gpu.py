@@ -8,14 +8,7 @@ from sgl_rollout.bench import LLAMA_TINY, gpu_engine_flags, make_llama_dir
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.worker import RolloutWorker
 
-from .greedy import assert_greedy_equal
-
-PROMPTS = [[1, 17, 42, 99, 7], [1, 500, 3, 3, 3, 8], [1, 1000, 256]]
-
-
-def engine_greedy(worker, prompts, n=10):
-    gens = worker.generate(prompts, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})
-    return [g[0].output_ids for g in gens]
+from .greedy import PROMPTS, assert_greedy_equal, engine_greedy, new_weights
 
 
 def test_level1_sync_lands_and_frees_the_fast_path_buffer(tmp_path):
@@ -28,10 +21,7 @@ def test_level1_sync_lands_and_frees_the_fast_path_buffer(tmp_path):
         for seed in (1, 2):
             tags = worker.sleep()
             assert "kv_cache" in tags and "weights" not in tags  # level 1: the weights stay where they are
-            with torch.no_grad():
-                torch.manual_seed(seed)
-                for _, p in model.named_parameters():
-                    p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+            new_weights(model, seed)
             torch.cuda.synchronize()
             trainer_bytes = torch.cuda.memory_allocated()
             stats = worker.update_weights(model.named_parameters())
@@ -42,6 +32,6 @@ def test_level1_sync_lands_and_frees_the_fast_path_buffer(tmp_path):
             # the buffer (one bucket: every weight of this model, stats.bytes) is gone from the trainer's process
             assert torch.cuda.memory_allocated() - trainer_bytes < stats.bytes // 2
             assert worker.engine.state.released == ()
-            assert_greedy_equal(model, PROMPTS, engine_greedy(worker, PROMPTS))
+            assert_greedy_equal(model, PROMPTS, engine_greedy(worker, PROMPTS, 10))
     finally:
         worker.shutdown()

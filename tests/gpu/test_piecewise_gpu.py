@@ -10,9 +10,7 @@ from sgl_rollout.config import RolloutConfig
 from sgl_rollout.memory import device_memory
 from sgl_rollout.worker import RolloutWorker
 
-from .greedy import assert_greedy_equal
-
-PROMPTS = [[1, 17, 42, 99, 7], [1, 500, 3, 3, 3, 8], [1, 1000, 256], [1, 64, 65, 66, 67, 68, 69]]
+from .greedy import PROMPTS, assert_greedy_equal, engine_greedy, new_weights
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +28,7 @@ def piecewise(tmp_path_factory):
 
 
 def greedy(worker, n=12):
-    gens = worker.generate(PROMPTS, {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True})
-    return [g[0].output_ids for g in gens]
+    return engine_greedy(worker, PROMPTS, n)
 
 
 def test_piecewise_graphs_kept_and_greedy_matches_hf_across_sleep_and_sync(piecewise):
@@ -45,9 +42,6 @@ def test_piecewise_graphs_kept_and_greedy_matches_hf_across_sleep_and_sync(piece
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"\nsleep freed {(asleep - awake) / 2**20:.0f} MiB (weights {weight_bytes / 2**20:.0f} MiB)")
     assert asleep - awake > weight_bytes
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for _, p in model.named_parameters():
-            p.normal_(0, 0.15) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    new_weights(model, 3)
     worker.update_weights(model.named_parameters())
     assert_greedy_equal(model, PROMPTS, greedy(worker))
