@@ -62,6 +62,81 @@ def test_timed_records_sync_async_errors_and_step(probe_dir):
     assert calls == [("update", 7), ("resume", ("weights",)), ("resume", ("kv_cache", "bad"))]
 
 
+class FakeCudaNvml:
+    """torch.cuda and pynvml as the probe's memory snapshot reads them: one GPU, this process on it."""
+
+    def __init__(self, monkeypatch, fail_nvml=False):
+        import torch
+
+        self.reserved = 40 * 2**20
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev: {
+            "allocated_bytes.all.current": 30 * 2**20, "reserved_bytes.all.current": self.reserved,
+            "segment.all.current": 3})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(uuid="abc-1"))
+        handles = {"GPU-abc-1": "h0"}
+        fake = types.ModuleType("pynvml")
+        fake.nvmlInit = lambda: None
+        if fail_nvml:
+            def by_uuid(u):
+                raise RuntimeError("NVML_ERROR_NOT_FOUND")
+            fake.nvmlDeviceGetHandleByUUID = by_uuid
+        else:
+            fake.nvmlDeviceGetHandleByUUID = handles.__getitem__
+        fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=900 * 2**20)
+        fake.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+            types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.reserved + 500 * 2**20),
+            types.SimpleNamespace(pid=2**22 + 7, usedGpuMemory=None)]
+        monkeypatch.setitem(sys.modules, "pynvml", fake)
+
+
+def test_the_weight_update_is_framed_by_memory_snapshots_outside_its_span(probe_dir, monkeypatch):
+    cuda = FakeCudaNvml(monkeypatch)
+    seen = []
+
+    async def update_weights(self, global_steps=None):
+        seen.append(spans_in(probe_dir) if probe_dir.exists() else [])
+        cuda.reserved = 42 * 2**20  # the update leaves 2 MiB more reserved
+
+    wrapped = verl_probe.timed(update_weights, "verl.update_weights", step_kw="global_steps", window=True, memory=True)
+    asyncio.run(wrapped(None, global_steps=3))
+    got = spans_in(probe_dir)
+    assert [(s["name"], s.get("at")) for s in got] == [("probe.memory", "start"), ("verl.update_weights", None),
+                                                       ("probe.memory", "end")]
+    assert [s["name"] for s in seen[0]] == ["probe.memory"]  # taken before the update ran
+    start, span, end = got
+    assert start["t0"] + start["dt"] <= span["t0"] and end["t0"] >= span["t0"] + span["dt"]  # outside the span
+    assert start["step"] == end["step"] == 3
+    assert start["torch"] == {"allocated": 30 * 2**20, "reserved": 40 * 2**20, "segments": 3}
+    assert end["torch"]["reserved"] == 42 * 2**20 and end["used"] == 900 * 2**20
+    assert end["self_pid"] == os.getpid()
+    assert end["procs"][0]["pid"] == os.getpid() and "python" in end["procs"][0]["name"]
+    assert end["procs"][1] == {"pid": 2**22 + 7, "name": f"pid {2**22 + 7}", "used": None}
+
+
+def test_a_memory_snapshot_that_cannot_read_nvml_says_why_and_the_update_goes_on(probe_dir, monkeypatch):
+    FakeCudaNvml(monkeypatch, fail_nvml=True)
+
+    async def update_weights(self, global_steps=None):
+        return "done"
+
+    wrapped = verl_probe.timed(update_weights, "verl.update_weights", step_kw="global_steps", memory=True)
+    assert asyncio.run(wrapped(None, global_steps=1)) == "done"
+    mem = [s for s in spans_in(probe_dir) if s["name"] == "probe.memory"]
+    assert len(mem) == 2 and all("NVML_ERROR_NOT_FOUND" in s["error"] for s in mem)
+    assert mem[0]["torch"]["reserved"] == 40 * 2**20  # what was read before NVML failed is kept
+
+
+def test_no_memory_snapshot_without_a_cuda_context(probe_dir, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    verl_probe.memory_snapshot("start", step=0)
+    assert not probe_dir.exists() or spans_in(probe_dir) == []
+
+
 def test_window_only_spans_are_emitted_inside_the_weight_update_only(probe_dir):
     inner = verl_probe.timed(lambda: None, "torch.empty_cache", window_only=True)
 
@@ -455,6 +530,21 @@ def test_nvml_sampler_records_who_held_the_memory_at_each_gpus_peak():
 
     out = verl_compare.NvmlSampler(interval_s=0.01, nvml=OldDriver([100])).start().stop()
     assert out["peak_processes"] == {"0": []} and out["error"] is None
+    assert out["process_series"][0][1] == [{}]
+
+
+def test_nvml_sampler_records_each_process_names_memory_once_a_second():
+    import time
+
+    nv = FakeNvml([900], [(os.getpid(), 800), (os.getpid(), 50), (2**22 + 7, None)])
+    s = verl_compare.NvmlSampler(interval_s=0.01, nvml=nv).start()
+    time.sleep(0.1)
+    out = s.stop()
+    assert len(out["process_series"]) == len(out["series"]) == 1  # one point per second
+    t, gpus = out["process_series"][0]
+    assert t < 1.0 and len(gpus) == 1
+    (name, used), = gpus[0].items()  # summed over the processes of one name; unknown sizes left out
+    assert "python" in name and used == 850
 
 
 @pytest.mark.parametrize("cmdline,name", [

@@ -378,7 +378,59 @@ def test_the_nvml_peak_is_split_by_process_where_recorded(tmp_path):
     assert lines.index("| sglang::scheduler | 58000 | 58000 |") < lines.index("| ray::WorkerDict | 16000 | 16000 |")
 
 
+def _write_memory_records(out: Path, side: str, pid: int, by_step) -> None:
+    """Append ``probe.memory`` records (:func:`verl_probe.memory_snapshot`'s format) for the lead trainer
+    ``pid`` of ``side``: ``by_step(step, at)`` gives (scheduler MiB, trainer MiB, torch reserved MiB)."""
+    MiB = 2**20
+    spans = sorted((out / "pair1" / side / "spans").glob("*.jsonl"))
+    windows = [json.loads(line) for f in spans for line in f.read_text().splitlines()
+               if json.loads(line)["name"] == "verl.update_weights"]
+    lines = []
+    for w in windows:
+        for at, t0 in (("start", w["t0"] - 0.002), ("end", w["t0"] + w["dt"] + 0.001)):
+            sched, trainer, reserved = by_step(w["step"], at)
+            lines.append(json.dumps({
+                "name": "probe.memory", "t0": t0, "dt": 0.0007, "pid": pid, "rank": 0, "at": at, "step": w["step"],
+                "torch": {"allocated": (reserved - 5) * MiB, "reserved": reserved * MiB, "segments": 4},
+                "procs": [{"pid": 77, "name": "sglang::scheduler", "used": sched * MiB},
+                          {"pid": pid, "name": "ray::WorkerDict", "used": trainer * MiB},
+                          {"pid": 78, "name": "ray::WorkerDict", "used": None}],
+                "self_pid": pid, "used": (sched + trainer + 500) * MiB}))
+    (out / "pair1" / side / "spans" / "spans-99999.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_memory_around_the_update_is_tabled_by_process_and_moment(tmp_path):
+    def builtin(step, at):
+        return 40000, 3000, 1000
+
+    def ours(step, at):
+        if step == 0 and at == "start":
+            return 40000, 3000, 1000  # before the first sync: as the built-in
+        if step == 1:
+            return 50000, 9000, 1000  # step 1 is not among the later steps' median
+        return 40012, 3020, 1000
+
+    def edit(out):
+        _write_memory_records(out, "builtin", 2396, builtin)
+        _write_memory_records(out, "ours", 2665, ours)
+
+    plain, _md, _o = report_only(tmp_path / "plain", "complete")
+    comp, md, _out = report_only(tmp_path, "complete", edit)
+    lines = md.splitlines()
+    assert "| first update, start | sglang::scheduler | 40000 | 40000 | 0 |" in lines
+    assert "| first update, end | ray::WorkerDict | 3000 | 3020 | 20 |" in lines  # the unknown-size process left out
+    assert "| later updates, end | sglang::scheduler | 40000 | 40012 | 12 |" in lines
+    assert "| later updates, start | trainer process: outside torch's allocator | 2000 | 2020 | 20 |" in lines
+    assert "| later updates, end | trainer process: torch allocated | 995 | 995 | 0 |" in lines
+    assert "| later updates, end | GPU in use | 43500 | 43532 | 32 |" in lines
+    runs = comp["pairs"][0]["runs"]
+    assert runs["ours"]["update_memory"]["later"]["end"]["sglang::scheduler"] == 40012 * 2**20
+    for side in ("builtin", "ours"):  # the records change no phase of the breakdown
+        assert runs[side]["update_phases"] == plain["pairs"][0]["runs"][side]["update_phases"]
+        assert runs[side]["gen_phases"] == plain["pairs"][0]["runs"][side]["gen_phases"]
+
+
 def test_runs_recorded_without_processes_keep_their_report(tmp_path):
     comp, md, _out = report_only(tmp_path, "complete")
-    assert "by process" not in md
+    assert "by process" not in md and "around the weight update" not in md
     assert all("nvml_peak_processes" not in r for r in comp["pairs"][0]["runs"].values())

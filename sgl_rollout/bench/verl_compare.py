@@ -154,7 +154,10 @@ class NvmlSampler:
     ``peak_used_bytes`` is the largest ``nvmlDeviceGetMemoryInfo().used`` seen per GPU (all processes:
     run the comparison on GPUs nothing else uses); ``baseline_bytes`` what was in use at :meth:`start`;
     ``series`` one ``(seconds since start, [used bytes per GPU])`` point per second;
-    ``peak_processes`` per GPU, the processes on it at the moment of its peak
+    ``process_series`` one ``(seconds since start, [{process name: used bytes} per GPU])`` point per
+    second (summed over the processes of one name), so a difference can be dated (at the engine's start,
+    from the first weight sync on, during generation); ``peak_processes`` per GPU, the processes on it
+    at the moment of its peak
     (``nvmlDeviceGetComputeRunningProcesses``: ``{"pid", "name", "used_bytes"}``, name from
     :func:`process_name`), so a difference in the peak can be traced to the trainer, the engine host or
     SGLang's scheduler (empty where the driver does not report them). Without NVML, ``error`` says why
@@ -169,6 +172,7 @@ class NvmlSampler:
         self.peak_used_bytes: Dict[str, int] = {}
         self.baseline_bytes: Dict[str, int] = {}
         self.series: List[list] = []
+        self.process_series: List[list] = []
         self.peak_processes: Dict[str, List[dict]] = {}
         self.error: Optional[str] = None
         self._nvml = nvml
@@ -188,6 +192,14 @@ class NvmlSampler:
         out = [{"pid": int(p.pid), "name": process_name(int(p.pid)),
                 "used_bytes": int(p.usedGpuMemory) if p.usedGpuMemory is not None else None} for p in procs]
         return sorted(out, key=lambda p: -(p["used_bytes"] or 0))
+
+    def _by_name(self, i: int) -> Dict[str, int]:
+        """Bytes each process name holds on GPU ``i`` now (:meth:`_processes`, summed by name)."""
+        out: Dict[str, int] = {}
+        for p in self._processes(i):
+            if p["used_bytes"] is not None:
+                out[p["name"]] = out.get(p["name"], 0) + p["used_bytes"]
+        return out
 
     def start(self) -> "NvmlSampler":
         """Start sampling (no-op, with ``error`` set, where NVML cannot be used)."""
@@ -226,6 +238,7 @@ class NvmlSampler:
             now = time.monotonic() - self._t0
             if now - last >= 1.0:
                 self.series.append([round(now, 1), used])
+                self.process_series.append([round(now, 1), [self._by_name(i) for i in range(len(used))]])
                 last = now
             self._stop.wait(self.interval_s)
 
@@ -242,7 +255,8 @@ class NvmlSampler:
         if self._thread is not None:
             self._thread.join(timeout=2)
         return {"peak_used_bytes": self.peak_used_bytes, "baseline_bytes": self.baseline_bytes,
-                "interval_s": self.interval_s, "series": self.series, "peak_processes": self.peak_processes,
+                "interval_s": self.interval_s, "series": self.series, "process_series": self.process_series,
+                "peak_processes": self.peak_processes,
                 "error": self.error}
 
 

@@ -48,6 +48,11 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   (``_wait_for_next_poll``, a ``time.sleep`` of its ``poll_interval``, 2 s: ``verl.replay_buffer.poll``),
   then ``RolloutReplica.sleep`` (``replica.sleep``).
 
+Around each ``verl.update_weights`` the trainer worker also writes a ``probe.memory`` record (at its start
+and at its end, outside the span; see :func:`memory_snapshot`): the device memory each process on its GPU
+holds (NVML) and its own torch allocator's figures, so a difference in the peak can be split into
+memory torch allocated and memory outside torch's allocator (CUDA context, loaded kernels).
+
 :mod:`.verl_report` turns the spans into the per-phase breakdowns of ``update_weights`` and ``gen``.
 """
 
@@ -186,6 +191,44 @@ def _watch_stalls() -> None:
         emit("probe.stall_watch", time.time(), 0.0, watch="gil")
 
 
+def memory_snapshot(at: str, **fields: Any) -> None:
+    """Emit one ``probe.memory`` record of this process's GPU (no-op without :data:`ENV_DIR` or CUDA).
+
+    Fields: ``at`` (``"start"`` / ``"end"`` of ``verl.update_weights``), ``torch`` (this process's
+    ``torch.cuda.memory_stats``: ``allocated``, ``reserved`` bytes and ``segments``), ``procs`` (every
+    compute process NVML lists on this GPU: ``{"pid", "name", "used"}``, bytes; name as
+    :func:`.verl_compare.process_name`), ``used`` (the GPU's ``nvmlDeviceGetMemoryInfo().used``, bytes),
+    ``dt`` (seconds this snapshot took) and ``error`` where NVML could not be read.
+    """
+    if not os.environ.get(ENV_DIR):
+        return
+    t0, c0 = time.time(), time.perf_counter()
+    rec: Dict[str, Any] = {"at": at, **fields}
+    try:
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        dev = torch.cuda.current_device()
+        st = torch.cuda.memory_stats(dev)
+        rec["torch"] = {"allocated": st.get("allocated_bytes.all.current", 0),
+                        "reserved": st.get("reserved_bytes.all.current", 0),
+                        "segments": st.get("segment.all.current", 0)}
+        import pynvml
+
+        from .verl_compare import process_name
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByUUID("GPU-" + str(torch.cuda.get_device_properties(dev).uuid))
+        rec["used"] = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
+        rec["procs"] = [{"pid": int(p.pid), "name": process_name(int(p.pid)), "used": p.usedGpuMemory}
+                        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+        rec["self_pid"] = os.getpid()
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: the run goes on without it
+        rec["error"] = f"{type(exc).__name__}: {exc}"
+    emit("probe.memory", t0, time.perf_counter() - c0, **rec)
+
+
 def _rank() -> Optional[int]:
     raw = os.environ.get("RANK")
     return int(raw) if raw and raw.isdigit() else None
@@ -245,7 +288,7 @@ async def _timed_aiter(ait, name: str):
 def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str]] = None,
           step_kw: Optional[str] = None, result: Optional[Callable[[Any], Any]] = None,
           window: bool = False, window_only: bool = False, watch: bool = False,
-          by_value: bool = False) -> Callable:
+          by_value: bool = False, memory: bool = False) -> Callable:
     """``fn`` wrapped to emit a span per call (a coroutine function stays one; attributes such as verl's
     dispatch-mode marks are kept by ``functools.wraps``).
 
@@ -259,6 +302,7 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
             ``synchronize``, ``barrier``: called often elsewhere).
         watch: start the stall watchers (:func:`_watch_stalls`) on the first call.
         by_value: pickle the wrapper by value (see :func:`_mark`).
+        memory: a :func:`memory_snapshot` before the span starts and after it is emitted (``step`` too).
     """
     if getattr(fn, "_sgl_rollout_probe", False):
         return fn
@@ -281,6 +325,8 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
                 return await fn(*args, **kwargs)
             if watch:
                 _watch_stalls()
+            if memory:
+                memory_snapshot("start", **fields(kwargs, None))
             t0, c0, err = time.time(), time.perf_counter(), None
             _open_window(int(window))
             try:
@@ -292,6 +338,8 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
             finally:
                 _open_window(-int(window))
                 emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
+                if memory:
+                    memory_snapshot("end", **fields(kwargs, None))
     else:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -379,7 +427,7 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("verl.workers.rollout.replica", "RolloutReplica.sleep", dict(name="replica.sleep")),
     # trainer worker: verl's naive update_weights and what it calls
     ("verl.workers.engine_workers", "ActorRolloutRefWorker.update_weights",
-     dict(name="verl.update_weights", step_kw="global_steps", window=True)),
+     dict(name="verl.update_weights", step_kw="global_steps", window=True, memory=True)),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.get_per_tensor_param",
      dict(name="verl.get_per_tensor_param", result=_gen_result("verl.weights"))),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.to", dict(name="verl.engine_to")),

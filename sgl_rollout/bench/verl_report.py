@@ -413,9 +413,12 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     if (by_process := peak_by_process(nvml)) is not None:  # runs recorded before it keep their report
         out["nvml_peak_processes"] = by_process
     spans = load_spans(run_dir / "spans")
+    spans, memory = [s for s in spans if s["name"] != MEMORY_SPAN], memory_around_update(spans)
     by_step = steps_of(spans)
     update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
     later_steps = {r["step"] for r in later}
+    if memory:
+        out["update_memory"] = summarize_memory(memory, later_steps)
     per_step_phases = {}
     sleep_by_step: Dict[int, float] = {}  # the slowest replica's sleep ending each step's gen, s
     order: List[str] = []
@@ -609,6 +612,7 @@ def markdown(comparison: dict) -> str:
         lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
         lines.append("")
         lines += _peak_process_table(runs, cols)
+        lines += _memory_table(runs, cols)
         if entry.get("targets"):
             lines.append("| target | built-in | sgl-rollout | ratio | met |")
             lines.append("| --- | ---: | ---: | ---: | --- |")
@@ -630,6 +634,99 @@ def markdown(comparison: dict) -> str:
                               "numbers; the first phase starts before verl's `gen` timer; a row `a / b` under "
                               "`last answer -> replica.sleep` is how long after the last answer b happened):")
     return "\n".join(lines) + "\n"
+
+
+#: The probe's memory record around each ``verl.update_weights`` (:func:`.verl_probe.memory_snapshot`).
+MEMORY_SPAN = "probe.memory"
+
+
+def memory_around_update(spans: List[dict]) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """Device memory by process at the start and end of each weight update, from the probe's
+    ``probe.memory`` records of the lowest-ranked trainer process.
+
+    Returns:
+        ``{"<at>": {"<step>": {row: bytes}}}`` with ``at`` ``"start"`` / ``"end"`` and rows: each process
+        name NVML listed on that trainer's GPU (bytes summed by name), ``"<trainer> (this trainer
+        process)"``, its ``"torch reserved"`` and ``"torch allocated"`` (``torch.cuda.memory_stats``) and
+        ``"outside torch's allocator"`` (its NVML figure less torch's reserved: CUDA context, loaded kernel
+        code, IPC mappings), and ``"GPU in use"``. Empty where no record has figures (older runs).
+    """
+    recs = [s for s in spans if s["name"] == MEMORY_SPAN and s.get("step") is not None and s.get("procs")]
+    if not recs:
+        return {}
+    lead = min((s.get("rank") or 0) for s in recs)
+    recs = [s for s in recs if (s.get("rank") or 0) == lead]
+    lead_pid = recs[0]["pid"]
+    out: Dict[str, Dict[str, Dict[str, float]]] = {}
+    for r in recs:
+        if r["pid"] != lead_pid:
+            continue
+        rows: Dict[str, float] = {}
+        mine = None
+        for p in r["procs"]:
+            if p.get("used") is None:
+                continue
+            rows[p["name"]] = rows.get(p["name"], 0) + p["used"]
+            if p["pid"] == r.get("self_pid"):
+                mine = p
+        torch_ = r.get("torch") or {}
+        if mine is not None and torch_:
+            rows["trainer process: NVML"] = mine["used"]
+            rows["trainer process: torch reserved"] = torch_.get("reserved", 0)
+            rows["trainer process: torch allocated"] = torch_.get("allocated", 0)
+            rows["trainer process: outside torch's allocator"] = mine["used"] - torch_.get("reserved", 0)
+        if r.get("used") is not None:
+            rows["GPU in use"] = r["used"]
+        out.setdefault(r["at"], {})[str(r["step"])] = rows
+    return out
+
+
+def summarize_memory(memory: Dict[str, Dict[str, Dict[str, float]]], later_steps: Iterable[int]) -> Dict[str, dict]:
+    """:func:`memory_around_update`'s records reduced for the report: ``{"first": {at: rows}, "later":
+    {at: {row: median bytes over later_steps}}}``, ``first`` being the first update recorded (verl's sync
+    before training)."""
+    later = {str(k) for k in later_steps}
+    out: Dict[str, dict] = {"first": {}, "later": {}}
+    for at, by_step in memory.items():
+        steps = sorted(by_step, key=int)
+        out["first"][at] = by_step[steps[0]]
+        rows = list(dict.fromkeys(r for k in steps if k in later for r in by_step[k]))
+        out["later"][at] = {r: med([by_step[k][r] for k in steps if k in later and r in by_step[k]]) for r in rows}
+    return out
+
+
+def _memory_table(runs: dict, cols: List[str]) -> List[str]:
+    """Markdown lines: device memory by process at the weight update's start and end (MiB), the first
+    update (verl's sync before training) and the median over the steps after the first; none without
+    records."""
+    mem = {s: runs[s].get("update_memory") or {} for s in cols}
+    if not any(mem.values()):
+        return []
+    mib = lambda v: _f(None if v is None else v / 2**20, ".0f")  # noqa: E731
+
+    def pick(side: str, at: str, which: str, row: str) -> Optional[float]:
+        return ((mem[side].get(which) or {}).get(at) or {}).get(row)
+
+    rows = list(dict.fromkeys(r for s in cols for which in mem[s].values() for at in which.values() for r in at))
+    head = ["| moment | process | " + " | ".join(SIDE_LABELS[s] for s in cols)
+            + (" | difference |" if len(cols) == 2 else " |"),
+            "| --- | --- | " + " | ".join("---:" for _ in cols) + (" | ---: |" if len(cols) == 2 else " |")]
+    lines = []
+    for at, which, label in (("start", "first", "first update, start"), ("end", "first", "first update, end"),
+                             ("start", "later", "later updates, start"), ("end", "later", "later updates, end")):
+        for row in rows:
+            vals = [pick(s, at, which, row) for s in cols]
+            if all(v is None for v in vals):
+                continue
+            diff = ""
+            if len(cols) == 2:
+                diff = " | " + (mib(vals[1] - vals[0]) if None not in vals else "n/a")
+            lines.append(f"| {label} | {row} | " + " | ".join(mib(v) for v in vals) + diff + " |")
+    if not lines:
+        return []
+    return (["Device memory around the weight update, by process (MiB; the lead trainer rank's GPU, NVML and "
+             "that process's torch allocator; the first update is verl's sync before training, the later ones "
+             "the median over the steps after the first):", ""] + head + lines + [""])
 
 
 def peak_by_process(nvml: dict) -> Optional[dict]:
