@@ -430,7 +430,29 @@ def test_memory_around_the_update_is_tabled_by_process_and_moment(tmp_path):
         assert runs[side]["gen_phases"] == plain["pairs"][0]["runs"][side]["gen_phases"]
 
 
+def test_the_engines_peak_in_each_awake_period_comes_from_the_process_series(tmp_path):
+    MiB = 2**20
+    sched = {"builtin": [0, 600, 40000, 40400, 1500, 1500, 40600, 1500, 40550, 40500, 1400],
+             "ours": [0, 600, 40100, 1400, 40700, 40650, 1400, 1400, 40500, 0]}
+
+    def edit(out):
+        for side, values in sched.items():
+            path = out / "pair1" / side / "nvml.json"
+            nv = json.loads(path.read_text())
+            nv["process_series"] = [[float(t), [{}, {"sglang::scheduler": v * MiB, "ray::WorkerDict": 3000 * MiB}]]
+                                    for t, v in enumerate(values)]
+            nv["peak_used_bytes"] = {"0": 10 * MiB, "1": 50000 * MiB}  # GPU 1 has the run's peak
+            path.write_text(json.dumps(nv))
+
+    comp, md, _out = report_only(tmp_path, "complete", edit)
+    ours = comp["pairs"][0]["runs"]["ours"]["engine_awake_peaks"]
+    assert ours == {"gpu": "1", "name": "sglang::scheduler", "peaks_bytes": [40100 * MiB, 40700 * MiB, 40500 * MiB]}
+    lines = md.splitlines()
+    assert "- verl built-in: sglang::scheduler on GPU 1: 40400, 40600, 40550 (spread 200)" in lines
+    assert "- sgl-rollout: sglang::scheduler on GPU 1: 40100, 40700, 40500 (spread 600)" in lines
+
+
 def test_runs_recorded_without_processes_keep_their_report(tmp_path):
     comp, md, _out = report_only(tmp_path, "complete")
-    assert "by process" not in md and "around the weight update" not in md
+    assert "by process" not in md and "around the weight update" not in md and "awake" not in md
     assert all("nvml_peak_processes" not in r for r in comp["pairs"][0]["runs"].values())

@@ -372,7 +372,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         :data:`MEMORY_KEYS`, plus :data:`GEN_WAIT_KEY` where the probe recorded the sleeps), ``reward``
         and ``val_acc`` (``[[step, value], ...]``), ``nvml_peak_gb``
         (largest device memory in use on any GPU during the run, GB = 1e9 bytes), ``nvml_peak_processes``
-        (:func:`peak_by_process`, where recorded),
+        (:func:`peak_by_process`, where recorded), ``engine_awake_peaks`` (:func:`awake_peaks`, where
+        recorded), ``update_memory`` (:func:`summarize_memory`, where the probe recorded memory),
         ``update_phases`` (phase -> ``{"median", "p90", "n"}``, see :func:`update_breakdown`, over the
         steps of ``metrics``: not the first, nor the sync verl runs before training, step 0) with
         ``update_phase_order``, ``update_split`` (``"verl"`` / ``"rollout"`` -> ``{"median", "p90", "n",
@@ -412,6 +413,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     out["nvml_error"] = nvml.get("error")
     if (by_process := peak_by_process(nvml)) is not None:  # runs recorded before it keep their report
         out["nvml_peak_processes"] = by_process
+    if (awake := awake_peaks(nvml)) is not None:
+        out["engine_awake_peaks"] = awake
     spans = load_spans(run_dir / "spans")
     spans, memory = [s for s in spans if s["name"] != MEMORY_SPAN], memory_around_update(spans)
     by_step = steps_of(spans)
@@ -612,6 +615,7 @@ def markdown(comparison: dict) -> str:
         lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
         lines.append("")
         lines += _peak_process_table(runs, cols)
+        lines += _awake_lines(runs, cols)
         lines += _memory_table(runs, cols)
         if entry.get("targets"):
             lines.append("| target | built-in | sgl-rollout | ratio | met |")
@@ -751,6 +755,66 @@ def peak_by_process(nvml: dict) -> Optional[dict]:
         by_name[p["name"]] = by_name.get(p["name"], 0) + p["used_bytes"]
     return {"gpu": gpu, "peak_bytes": peaks[gpu], "by_name": by_name,
             "unattributed_bytes": peaks[gpu] - sum(by_name.values())}
+
+
+def awake_peaks(nvml: dict) -> Optional[dict]:
+    """The engine's largest memory in each period it was awake, from ``nvml.json``'s ``process_series``
+    (one sample a second, :class:`.verl_compare.NvmlSampler`).
+
+    The engine is the process name holding the most memory on the GPU with the run's largest peak (SGLang's
+    scheduler); it is awake while it holds more than half its largest figure, so each awake period is one
+    generation (verl's validation, a step's rollout) with the weight update before it; a sleep shorter
+    than the sampling interval falls between two samples and joins two periods. How much these
+    peaks spread within one run is what the generation itself moves the NVML peak by.
+
+    Returns:
+        None without a process series; else ``gpu``, ``name`` and ``peaks_bytes`` (one per awake period,
+        in order).
+    """
+    series = nvml.get("process_series") or []
+    peaks = {k: v for k, v in (nvml.get("peak_used_bytes") or {}).items() if v is not None}
+    if not series or not peaks:
+        return None
+    gpu = max(peaks, key=peaks.get)
+    i = int(gpu)
+    points = [g[i] for _t, g in series if i < len(g)]
+    top: Dict[str, int] = {}
+    for by_name in points:
+        for n, b in by_name.items():
+            top[n] = max(top.get(n, 0), b)
+    if not top:
+        return None
+    name = max(top, key=top.get)
+    out: List[int] = []
+    awake = False
+    for by_name in points:
+        used = by_name.get(name, 0)
+        if used > top[name] / 2:
+            if not awake:
+                out.append(used)
+            out[-1] = max(out[-1], used)
+            awake = True
+        else:
+            awake = False
+    return {"gpu": gpu, "name": name, "peaks_bytes": out}
+
+
+def _awake_lines(runs: dict, cols: List[str]) -> List[str]:
+    """Markdown lines: the engine's largest memory in each awake period, per side; none without series."""
+    got = {s: runs[s].get("engine_awake_peaks") for s in cols}
+    if not any(got.values()):
+        return []
+    lines = []
+    for s in cols:
+        a = got[s]
+        if not a or not a["peaks_bytes"]:
+            continue
+        mib = [b / 2**20 for b in a["peaks_bytes"]]
+        lines.append(f"- {SIDE_LABELS[s]}: {a['name']} on GPU {a['gpu']}: "
+                     + ", ".join(f"{v:.0f}" for v in mib) + f" (spread {max(mib) - min(mib):.0f})")
+    return (["The engine's largest memory in each period it was awake (MiB; NVML, one sample a second; each "
+             "period is one generation and the weight update before it; a sleep between two samples joins two periods):",
+             ""] + lines + [""]) if lines else []
 
 
 def _peak_process_table(runs: dict, cols: List[str]) -> List[str]:
