@@ -650,10 +650,12 @@ def memory_around_update(spans: List[dict]) -> Dict[str, Dict[str, Dict[str, flo
 
     Returns:
         ``{"<at>": {"<step>": {row: bytes}}}`` with ``at`` ``"start"`` / ``"end"`` and rows: each process
-        name NVML listed on that trainer's GPU (bytes summed by name), ``"<trainer> (this trainer
-        process)"``, its ``"torch reserved"`` and ``"torch allocated"`` (``torch.cuda.memory_stats``) and
-        ``"outside torch's allocator"`` (its NVML figure less torch's reserved: CUDA context, loaded kernel
-        code, IPC mappings), and ``"GPU in use"``. Empty where no record has figures (older runs).
+        name NVML listed on that trainer's GPU (bytes summed by name; processes NVML gives no figure for
+        are left out), then for the trainer process itself ``"trainer process: NVML"``, ``"trainer
+        process: torch reserved"`` and ``"trainer process: torch allocated"`` (``torch.cuda.memory_stats``)
+        and ``"trainer process: outside torch's allocator"`` (its NVML figure less torch's reserved: CUDA
+        context, loaded kernel code, IPC mappings), and ``"GPU in use"``. Empty where no record has
+        figures (older runs).
     """
     recs = [s for s in spans if s["name"] == MEMORY_SPAN and s.get("step") is not None and s.get("procs")]
     if not recs:
