@@ -195,11 +195,9 @@ class NvmlSampler:
 
     def _by_name(self, i: int) -> Dict[str, int]:
         """Bytes each process name holds on GPU ``i`` now (:meth:`_processes`, summed by name)."""
-        out: Dict[str, int] = {}
-        for p in self._processes(i):
-            if p["used_bytes"] is not None:
-                out[p["name"]] = out.get(p["name"], 0) + p["used_bytes"]
-        return out
+        from .verl_report import sum_by_name
+
+        return sum_by_name(self._processes(i), "used_bytes")
 
     def start(self) -> "NvmlSampler":
         """Start sampling (no-op, with ``error`` set, where NVML cannot be used)."""

@@ -530,6 +530,30 @@ def _f(v, spec=".3f", unit="") -> str:
     return "n/a" if v is None else f"{format(v, spec)}{unit}"
 
 
+def _mib(v: Optional[float]) -> str:
+    """Bytes as whole MiB for a table cell ("n/a" for None)."""
+    return _f(None if v is None else v / 2**20, ".0f")
+
+
+def sum_by_name(procs: Iterable[dict], key: str) -> Dict[str, int]:
+    """Device memory per process name, summed over the processes of one name.
+
+    Args:
+        procs: NVML process records, ``{"pid", "name", key}`` (``key``: bytes, or None where NVML gave no
+            figure: left out), as :class:`.verl_compare.NvmlSampler` (``"used_bytes"``) and the probe's
+            ``probe.memory`` (``"used"``) write them.
+        key: the field holding the bytes.
+
+    Returns:
+        name -> bytes.
+    """
+    out: Dict[str, int] = {}
+    for p in procs:
+        if p.get(key) is not None:
+            out[p["name"]] = out.get(p["name"], 0) + p[key]
+    return out
+
+
 def _status(run: dict) -> str:
     """The ``run`` cell: ``N steps``, ``not run``, or ``failed after K of N steps (exit C: error)`` (the
     error line without terminal colours, its ``|`` escaped for the table)."""
@@ -667,14 +691,8 @@ def memory_around_update(spans: List[dict]) -> Dict[str, Dict[str, Dict[str, flo
     for r in recs:
         if r["pid"] != lead_pid:
             continue
-        rows: Dict[str, float] = {}
-        mine = None
-        for p in r["procs"]:
-            if p.get("used") is None:
-                continue
-            rows[p["name"]] = rows.get(p["name"], 0) + p["used"]
-            if p["pid"] == r.get("self_pid"):
-                mine = p
+        rows: Dict[str, float] = dict(sum_by_name(r["procs"], "used"))
+        mine = next((p for p in r["procs"] if p["pid"] == r.get("self_pid") and p.get("used") is not None), None)
         torch_ = r.get("torch") or {}
         if mine is not None and torch_:
             rows["trainer process: NVML"] = mine["used"]
@@ -708,8 +726,6 @@ def _memory_table(runs: dict, cols: List[str]) -> List[str]:
     mem = {s: runs[s].get("update_memory") or {} for s in cols}
     if not any(mem.values()):
         return []
-    mib = lambda v: _f(None if v is None else v / 2**20, ".0f")  # noqa: E731
-
     def pick(side: str, at: str, which: str, row: str) -> Optional[float]:
         return ((mem[side].get(which) or {}).get(at) or {}).get(row)
 
@@ -726,8 +742,8 @@ def _memory_table(runs: dict, cols: List[str]) -> List[str]:
                 continue
             diff = ""
             if len(cols) == 2:
-                diff = " | " + (mib(vals[1] - vals[0]) if None not in vals else "n/a")
-            lines.append(f"| {label} | {row} | " + " | ".join(mib(v) for v in vals) + diff + " |")
+                diff = " | " + (_mib(vals[1] - vals[0]) if None not in vals else "n/a")
+            lines.append(f"| {label} | {row} | " + " | ".join(_mib(v) for v in vals) + diff + " |")
     if not lines:
         return []
     return (["Device memory around the weight update, by process (MiB; the lead trainer rank's GPU, NVML and "
@@ -749,12 +765,9 @@ def peak_by_process(nvml: dict) -> Optional[dict]:
     if not peaks:
         return None
     gpu = max(peaks, key=peaks.get)
-    listed = [p for p in procs.get(gpu) or [] if p.get("used_bytes") is not None]
-    if not listed:
+    by_name = sum_by_name(procs.get(gpu) or [], "used_bytes")
+    if not by_name:
         return None
-    by_name: Dict[str, int] = {}
-    for p in listed:
-        by_name[p["name"]] = by_name.get(p["name"], 0) + p["used_bytes"]
     return {"gpu": gpu, "peak_bytes": peaks[gpu], "by_name": by_name,
             "unattributed_bytes": peaks[gpu] - sum(by_name.values())}
 
@@ -826,16 +839,15 @@ def _peak_process_table(runs: dict, cols: List[str]) -> List[str]:
         return []
     names = sorted({n for p in peaks.values() if p for n in p["by_name"]},
                    key=lambda n: -max((p or {}).get("by_name", {}).get(n, 0) for p in peaks.values()))
-    mib = lambda v: _f(None if v is None else v / 2**20, ".0f")  # noqa: E731
     out = ["Device memory at the NVML peak, by process (MiB; on each run's GPU with the largest peak: "
            + ", ".join(f"{SIDE_LABELS[s]} GPU {peaks[s]['gpu']}" for s in cols if peaks[s]) + "):", "",
            "| process | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
     for n in names:
-        out.append(f"| {n} | " + " | ".join(mib((peaks[s] or {}).get("by_name", {}).get(n)) for s in cols) + " |")
+        out.append(f"| {n} | " + " | ".join(_mib((peaks[s] or {}).get("by_name", {}).get(n)) for s in cols) + " |")
     out.append("| not listed by NVML (the driver's own, unlisted processes) | "
-               + " | ".join(mib((peaks[s] or {}).get("unattributed_bytes")) for s in cols) + " |")
-    out.append("| the peak | " + " | ".join(mib((peaks[s] or {}).get("peak_bytes")) for s in cols) + " |")
+               + " | ".join(_mib((peaks[s] or {}).get("unattributed_bytes")) for s in cols) + " |")
+    out.append("| the peak | " + " | ".join(_mib((peaks[s] or {}).get("peak_bytes")) for s in cols) + " |")
     return out + [""]
 
 
