@@ -106,6 +106,46 @@ def test_plot_is_a_png(tmp_path):
     assert (out / "comparison.png").read_bytes()[:8] == PNG_MAGIC
 
 
+# ------------------------------------------------------------------------------------ several pairs
+def swapped_second_pair(out: Path) -> None:
+    """Add ``pair2`` to a one-pair run folder, its sides swapped (pair 2's built-in is pair 1's
+    sgl-rollout run and the other way round), as ``--pairs 2`` would lay it out; config.json still
+    says one pair."""
+    for side, other in (("builtin", "ours"), ("ours", "builtin")):
+        shutil.copytree(out / "pair1" / side, out / "pair2" / other)
+
+
+def test_report_only_reports_every_recorded_pair_and_sums_up_the_targets_over_them(tmp_path):
+    comp, md, _out = report_only(tmp_path, "complete", swapped_second_pair)
+    assert [e["pair"] for e in comp["pairs"]] == [1, 2]
+    assert comp["pairs"][1]["order"] == ["ours", "builtin"]  # even pairs start with sgl-rollout
+    assert "## Pair 2 (run sgl-rollout then verl built-in)" in md
+    first, second = (e["targets"] for e in comp["pairs"])
+    rows = comp["across_pairs"]
+    assert [r["target"] for r in rows] == [t["target"] for t in first]
+    for row, t1, t2 in zip(rows, first, second):
+        assert [p["pair"] for p in row["per_pair"]] == [1, 2]
+        judged = [t["met"] for t in (t1, t2) if t["met"] is not None]
+        assert (row["met"], row["of"]) == (sum(judged), len(judged))
+        if t1["ratio"] is not None:
+            assert t2["ratio"] == pytest.approx(1 / t1["ratio"])  # the sides swapped
+            assert row["median_ratio"] == pytest.approx((t1["ratio"] + t2["ratio"]) / 2)
+    upd = rows[0]
+    assert upd["target"].startswith("timing_s/update_weights")
+    # the summary comes before the pairs, one cell per pair, then the median and the count
+    assert md.index("## All 2 pairs") < md.index("## Pair 1")
+    line = next(l for l in md.splitlines() if l.startswith(f"| {upd['target']} |") and "pairs |" in l)
+    r1, r2 = (p["ratio"] for p in upd["per_pair"])
+    assert f"| {r1:.2f} | {r2:.2f} | {upd['median_ratio']:.2f} | {upd['met']} of 2 pairs |" in line
+    acc = rows[-1]
+    assert acc["median_ratio"] is None and all("band" in p for p in acc["per_pair"])
+
+
+def test_one_pair_has_no_summary_over_pairs(tmp_path):
+    comp, md, _out = report_only(tmp_path, "complete")
+    assert "across_pairs" not in comp and "## All" not in md
+
+
 # ------------------------------------------------------------------------------------ runs that stopped early
 def test_a_run_that_failed_part_way_is_reported_not_raised(tmp_path):
     comp, md, out = report_only(tmp_path, "failed")

@@ -12,8 +12,10 @@ pairs), so drift on the machine does not favour one side.
 Per run it keeps verl's per-step metrics (``metrics.jsonl``, verl's file logger), the probe's spans
 (:mod:`.verl_probe`), the peak device memory seen through NVML (:class:`NvmlSampler`, every 0.1 s) and
 verl's console (``train.log``); then :mod:`.verl_report` writes ``comparison.json``, ``comparison.md``
-(median and p90 over the steps after the first, the targets, the weight-update breakdown) and
-``comparison.png`` into the run folder and prints the Markdown.
+(median and p90 over the steps after the first, the targets, the weight-update breakdown; with two or
+more pairs first the targets over all pairs, :func:`.verl_report.across_pairs`) and ``comparison.png``
+into the run folder and prints the Markdown. ``--report-only`` rewrites them for every ``pairN`` folder
+found (:func:`recorded_pairs`).
 
 Exit status: 0 when every run finished, 1 when a run failed (the report says which and how far it
 got), 2 with one line when verl, a CUDA GPU or SGLang's kernels are missing, when the ``sgl_rollout`` verl's
@@ -36,7 +38,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 #: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: a comma list loads only those plugins).
 PLUGINS = {"builtin": "sgl_rollout_probe", "ours": "sgl_rollout,sgl_rollout_probe"}
@@ -533,6 +535,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for both sides (after --)")
 
 
+def plan_pairs(out: Path, n_pairs: int, sides: List[str]) -> Tuple[Dict[int, Dict[str, Path]], Dict[int, List[str]]]:
+    """Each pair's run folders (``{pair: {side: out/pairN/side}}``) and the order its sides run in:
+    built-in first in odd pairs, sgl-rollout first in even ones, so that neither side always runs on
+    the machine as the other left it."""
+    run_dirs: Dict[int, Dict[str, Path]] = {}
+    orders: Dict[int, List[str]] = {}
+    for pair in range(1, n_pairs + 1):
+        orders[pair] = [s for s in (("builtin", "ours") if pair % 2 else ("ours", "builtin")) if s in sides]
+        run_dirs[pair] = {s: out / f"pair{pair}" / s for s in orders[pair]}
+    return run_dirs, orders
+
+
+def recorded_pairs(out: Path) -> List[int]:
+    """The pair numbers whose folder (``pairN``) exists under the run folder ``out``, so that
+    ``--report-only`` reports every recorded pair whatever ``--pairs`` says."""
+    return sorted(int(d.name[4:]) for d in Path(out).glob("pair*") if d.is_dir() and d.name[4:].isdigit())
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the comparison; see the module docstring for the exit status."""
     from ..demo.verl_task import write_parquet
@@ -545,15 +565,11 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench verl: --sides takes builtin and/or ours, got {args.sides!r}", file=sys.stderr)
         return 2
     n_val = 128
-    run_dirs: Dict[int, Dict[str, Path]] = {}
-    orders: Dict[int, List[str]] = {}
-    for pair in range(1, args.pairs + 1):
-        order = [s for s in (("builtin", "ours") if pair % 2 else ("ours", "builtin")) if s in sides]
-        orders[pair] = order
-        run_dirs[pair] = {s: out / f"pair{pair}" / s for s in order}
     config_path = out / "config.json"
     if args.report_only:
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        n_pairs = max([args.pairs, int(config.get("pairs") or 1)] + recorded_pairs(out))
+        run_dirs, orders = plan_pairs(out, n_pairs, sides)
         found = {p: {s: d for s, d in ds.items() if d.exists()} for p, ds in run_dirs.items()}
         comp = verl_report.write_report(out, found, config, n_val, orders)
         print(verl_report.markdown(comp))
@@ -573,6 +589,7 @@ def main(args: argparse.Namespace) -> int:
     except SetupError as exc:
         print(f"bench verl: {exc}", file=sys.stderr)
         return 2
+    run_dirs, orders = plan_pairs(out, args.pairs, sides)
     out.mkdir(parents=True, exist_ok=True)
     write_parquet(out / "data", n_train=2048, n_val=n_val)
     diffs = differences(args.fast_sync)

@@ -522,10 +522,54 @@ def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
         if all(s in runs for s in SIDES):
             entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
         pairs.append(entry)
-    return {"config": config or {}, "pairs": pairs}
+    comp = {"config": config or {}, "pairs": pairs}
+    summary = across_pairs(comp)
+    if summary:
+        comp["across_pairs"] = summary
+    return comp
+
+
+def across_pairs(comparison: dict) -> List[dict]:
+    """The targets over every pair that ran both sides (``--pairs N``: one machine's run-to-run noise is
+    large, so one pair decides little). One row per target of :func:`targets`, in its order:
+    ``{"target", "per_pair": [{"pair", "builtin", "ours", "ratio", "met"} (and "band" for the accuracy
+    target), ...], "median_ratio", "met", "of"}``: ``ratio`` is ours / built-in (None for the accuracy
+    target, which has no ratio, and where a side lacks the figure), ``median_ratio`` the median of the
+    pairs' ratios, ``met`` in how many of the ``of`` pairs that could be judged the target was met.
+    Empty with fewer than two such pairs, so a one-pair report has no summary."""
+    entries = [e for e in comparison.get("pairs", []) if e.get("targets")]
+    if len(entries) < 2:
+        return []
+    rows = []
+    for i, first in enumerate(entries[0]["targets"]):
+        per = [{"pair": e["pair"], **{k: v for k, v in e["targets"][i].items() if k != "target"}} for e in entries]
+        ratios = [p["ratio"] for p in per if p["ratio"] is not None]
+        judged = [p["met"] for p in per if p["met"] is not None]
+        rows.append({"target": first["target"], "per_pair": per,
+                     "median_ratio": statistics.median(ratios) if ratios else None,
+                     "met": sum(1 for m in judged if m), "of": len(judged)})
+    return rows
 
 
 # ------------------------------------------------------------------------------------ Markdown
+def _across_pairs_table(rows: List[dict]) -> List[str]:
+    """Markdown of :func:`across_pairs`: per pair the ratio ours / built-in (the accuracy target: both
+    figures, built-in / ours, and the band), the median over the pairs, and in how many pairs the target
+    was met."""
+    if not rows:
+        return []
+    pairs = [p["pair"] for p in rows[0]["per_pair"]]
+    lines = [f"## All {len(pairs)} pairs (ratio sgl-rollout / built-in per pair)", "",
+             "| target | " + " | ".join(f"pair {n}" for n in pairs) + " | median over pairs | met in |",
+             "| --- | " + " | ".join("---:" for _ in pairs) + " | ---: | --- |"]
+    for row in rows:
+        cells = [f"{_f(p['builtin'])} / {_f(p['ours'])} (band {_f(p['band'])})" if "band" in p
+                 else _f(p["ratio"], ".2f") for p in row["per_pair"]]
+        lines.append(f"| {row['target']} | " + " | ".join(cells) + f" | {_f(row['median_ratio'], '.2f')} | "
+                     f"{row['met']} of {row['of']} pairs |")
+    return lines + [""]
+
+
 def _f(v, spec=".3f", unit="") -> str:
     return "n/a" if v is None else f"{format(v, spec)}{unit}"
 
@@ -597,8 +641,9 @@ def update_verdict(builtin: dict, ours: dict) -> Optional[str]:
 
 
 def markdown(comparison: dict) -> str:
-    """The report: per pair, verl's metrics (median / p90 over steps after the first) side by side, the
-    targets, and the weight-update breakdown (median seconds per phase)."""
+    """The report: with two or more pairs first the targets over all of them (:func:`across_pairs`);
+    then per pair, verl's metrics (median / p90 over steps after the first) side by side, the targets,
+    and the weight-update breakdown (median seconds per phase)."""
     lines: List[str] = []
     cfg = comparison.get("config", {})
     if cfg:
@@ -610,6 +655,7 @@ def markdown(comparison: dict) -> str:
         for d in cfg.get("differences", []):
             lines.append(f"- differs: {d}")
         lines.append("")
+    lines += _across_pairs_table(comparison.get("across_pairs") or [])
     for entry in comparison.get("pairs", []):
         runs = entry["runs"]
         order = " then ".join(SIDE_LABELS[s] for s in entry.get("order", SIDES) if s in runs)
