@@ -77,14 +77,18 @@ class FakeCudaNvml:
             "segment.all.current": 3})
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: types.SimpleNamespace(uuid="abc-1"))
         handles = {"GPU-abc-1": "h0"}
+        self.nvml_calls = []
+        monkeypatch.setattr(verl_probe, "_nvml_handles", {})  # a fresh process: no handle made yet
         fake = types.ModuleType("pynvml")
-        fake.nvmlInit = lambda: None
-        if fail_nvml:
-            def by_uuid(u):
+        fake.nvmlInit = lambda: self.nvml_calls.append("init")
+
+        def by_uuid(u):
+            self.nvml_calls.append("handle")
+            if fail_nvml:
                 raise RuntimeError("NVML_ERROR_NOT_FOUND")
-            fake.nvmlDeviceGetHandleByUUID = by_uuid
-        else:
-            fake.nvmlDeviceGetHandleByUUID = handles.__getitem__
+            return handles[u]
+
+        fake.nvmlDeviceGetHandleByUUID = by_uuid
         fake.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=900 * 2**20)
         fake.nvmlDeviceGetComputeRunningProcesses = lambda h: [
             types.SimpleNamespace(pid=os.getpid(), usedGpuMemory=self.reserved + 500 * 2**20),
@@ -114,10 +118,11 @@ def test_the_weight_update_is_framed_by_memory_snapshots_outside_its_span(probe_
     assert end["self_pid"] == os.getpid()
     assert end["procs"][0]["pid"] == os.getpid() and "python" in end["procs"][0]["name"]
     assert end["procs"][1] == {"pid": 2**22 + 7, "name": f"pid {2**22 + 7}", "used": None}
+    assert cuda.nvml_calls == ["init", "handle"]  # once per process, not in every snapshot
 
 
 def test_a_memory_snapshot_that_cannot_read_nvml_says_why_and_the_update_goes_on(probe_dir, monkeypatch):
-    FakeCudaNvml(monkeypatch, fail_nvml=True)
+    nvml = FakeCudaNvml(monkeypatch, fail_nvml=True)
 
     async def update_weights(self, global_steps=None):
         return "done"
@@ -126,6 +131,7 @@ def test_a_memory_snapshot_that_cannot_read_nvml_says_why_and_the_update_goes_on
     assert asyncio.run(wrapped(None, global_steps=1)) == "done"
     mem = [s for s in spans_in(probe_dir) if s["name"] == "probe.memory"]
     assert len(mem) == 2 and all("NVML_ERROR_NOT_FOUND" in s["error"] for s in mem)
+    assert nvml.nvml_calls == ["init", "handle", "init", "handle"]  # a failure is not cached: tried again
     assert mem[0]["torch"]["reserved"] == 40 * 2**20  # what was read before NVML failed is kept
 
 

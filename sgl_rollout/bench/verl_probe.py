@@ -191,6 +191,20 @@ def _watch_stalls() -> None:
         emit("probe.stall_watch", time.time(), 0.0, watch="gil")
 
 
+#: NVML handle per GPU UUID (``"GPU-..."``), made once per process by :func:`_nvml_handle`.
+_nvml_handles: Dict[str, Any] = {}
+
+
+def _nvml_handle(pynvml, uuid: str):
+    """NVML's handle of the GPU ``uuid``: ``nvmlInit`` and the lookup on this process's first snapshot of
+    that GPU, the cached handle after (two snapshots run inside every ``verl.update_weights`` timer).
+    Raises what NVML raises; nothing is cached then, so the next snapshot tries again."""
+    if uuid not in _nvml_handles:
+        pynvml.nvmlInit()
+        _nvml_handles[uuid] = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+    return _nvml_handles[uuid]
+
+
 def memory_snapshot(at: str, **fields: Any) -> None:
     """Emit one ``probe.memory`` record of this process's GPU (no-op without :data:`ENV_DIR` or CUDA).
 
@@ -218,8 +232,7 @@ def memory_snapshot(at: str, **fields: Any) -> None:
 
         from .verl_compare import process_name
 
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByUUID("GPU-" + str(torch.cuda.get_device_properties(dev).uuid))
+        h = _nvml_handle(pynvml, "GPU-" + str(torch.cuda.get_device_properties(dev).uuid))
         rec["used"] = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)
         rec["procs"] = [{"pid": int(p.pid), "name": process_name(int(p.pid)), "used": p.usedGpuMemory}
                         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
