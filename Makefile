@@ -1,5 +1,5 @@
 # `make test` sets up a fresh CPU machine (its own virtualenv) and runs the test suite.
-# `make gpu-test` runs the GPU tests in the current environment (see README: GPU tests).
+# `make gpu-test` runs the GPU tests in the current environment (see docs/gpu-tests.md).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check

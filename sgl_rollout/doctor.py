@@ -1,7 +1,9 @@
 """``python -m sgl_rollout doctor``: what this machine has, and whether verl resolves "sglang" to us.
 
 Each check runs on its own and reports its failure instead of raising, so one missing piece does not
-hide the others.
+hide the others. After the checks, one ``missing`` line names each thing this package needs and the
+machine lacks (SGLang, torch, a CUDA GPU, torch-memory-saver's preload hook), and the exit status is then
+1: without them no engine can start, or release and resume its GPU memory.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ import importlib.util
 import os
 import subprocess
 import sys
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
+
+#: What a check gives: the text of its line, and what is missing (None: nothing this package needs).
+Result = Tuple[str, Optional[str]]
+
+#: Why a missing piece matters, at the end of its ``missing`` line.
+CONSEQUENCE = "sgl-rollout cannot run an engine or release/resume its memory here"
 
 
 def _version(pkg: str) -> str:
@@ -21,22 +29,30 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def _memory_saver_hook() -> str:
+def _required_version(pkg: str) -> Result:
+    v = _version(pkg)
+    return v, (f"{pkg} (not installed)" if v == "not installed" else None)
+
+
+def _memory_saver_hook() -> Result:
+    # SGLang puts this library in LD_PRELOAD of its scheduler processes (enable_memory_saver): it is
+    # what lets sleep/wake release and resume the engine's GPU memory.
+    what = "torch-memory-saver's preload hook, which SGLang LD_PRELOADs into its engines"
     spec = importlib.util.find_spec("torch_memory_saver")
     if spec is None:
-        return "torch-memory-saver not installed"
+        return "torch-memory-saver not installed", f"{what} (torch-memory-saver not installed)"
     import glob
 
     libs = glob.glob(os.path.join(os.path.dirname(spec.origin), "..", "torch_memory_saver_hook_mode_preload*.so"))
     if not libs:
-        return "preload hook library not found"
+        return "preload hook library not found", f"{what} (no torch_memory_saver_hook_mode_preload*.so)"
     import ctypes
 
     try:
         ctypes.CDLL(sorted(libs)[0])
-        return f"loads ({os.path.basename(sorted(libs)[0])})"
+        return f"loads ({os.path.basename(sorted(libs)[0])})", None
     except OSError as e:
-        return f"does not load: {e}"
+        return f"does not load: {e}", f"{what} (does not load: {e})"
 
 
 def _imbalance_vars() -> str:
@@ -58,12 +74,12 @@ def _imbalance_vars() -> str:
     return f"here: {now}; engine processes: {engine}; SGLang check enabled in engine: {effective}"
 
 
-def _gpus() -> str:
+def _gpus() -> Result:
     import torch
 
     if not torch.cuda.is_available():
-        return "none (torch.cuda.is_available() is False)"
-    return "; ".join(f"{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count()))
+        return "none (torch.cuda.is_available() is False)", "a CUDA GPU (torch sees none)"
+    return "; ".join(f"{i}: {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())), None
 
 
 def _verl() -> str:
@@ -79,24 +95,46 @@ def _verl() -> str:
     return f"{impl} ({'this package' if ours else 'NOT this package'}; VERL_USE_EXTERNAL_PLUGINS={os.environ.get('VERL_USE_EXTERNAL_PLUGINS', '<unset>')})"
 
 
-CHECKS: List[Tuple[str, Callable[[], str]]] = [
-    ("sglang", lambda: _version("sglang")),
-    ("torch", lambda: _version("torch")),
-    ("torch-memory-saver", lambda: _version("torch-memory-saver")),
-    ("verl", lambda: _version("verl")),
-    ("memory-saver hook", _memory_saver_hook),
-    ("TP imbalance check", _imbalance_vars),
-    ("GPUs", _gpus),
-    ('verl resolves "sglang" to', _verl),
+def _info(fn: Callable[[], str]) -> Callable[[], Result]:
+    """A check whose result is for information only (nothing it reports stops this package)."""
+    return lambda: (fn(), None)
+
+
+#: (label, check, what a check that raises leaves missing: None for a check that is information only).
+#: The lambdas look the probes up when called, so tests can replace them.
+CHECKS: List[Tuple[str, Callable[[], Result], Optional[str]]] = [
+    ("sglang", lambda: _required_version("sglang"), "sglang"),
+    ("torch", lambda: _required_version("torch"), "torch"),
+    ("torch-memory-saver", _info(lambda: _version("torch-memory-saver")), None),  # the hook line says it
+    ("verl", _info(lambda: _version("verl")), None),
+    ("memory-saver hook", lambda: _memory_saver_hook(), "torch-memory-saver's preload hook"),
+    ("TP imbalance check", _info(lambda: _imbalance_vars()), None),
+    ("GPUs", lambda: _gpus(), "a CUDA GPU"),
+    ('verl resolves "sglang" to', _info(lambda: _verl()), None),
 ]
 
 
 def main(argv=None) -> int:
-    """Print one line per check; exit status 0 (the report itself is the result)."""
-    for name, fn in CHECKS:
+    """Print one line per check, then one ``missing`` line per thing this package needs and lacks.
+
+    Args:
+        argv: command-line arguments after ``doctor`` (none are taken; ignored).
+
+    Returns:
+        The exit status: 0 when nothing is missing, 1 when something is (no CUDA GPU, no loadable
+        torch-memory-saver preload hook, no SGLang or torch). Never raises for a failed check: its
+        error is printed on its line, and a required check that fails counts as missing.
+    """
+    missing: List[str] = []
+    for name, fn, needed in CHECKS:
         try:
-            value = fn()
+            value, lacks = fn()
         except Exception as e:  # noqa: BLE001 - a check's failure is part of the report
             value = f"error: {e!r}"
+            lacks = None if needed is None else f"{needed} (its check failed: {e!r})"
         print(f"{name:<28}{value}")
-    return 0
+        if lacks is not None:
+            missing.append(lacks)
+    for lacks in missing:
+        print(f"{'missing':<28}{lacks}: {CONSEQUENCE}")
+    return 1 if missing else 0

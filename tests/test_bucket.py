@@ -1,3 +1,5 @@
+import weakref
+
 import pytest
 import torch
 
@@ -118,3 +120,45 @@ def test_bucket_stream_holds_at_most_max_held_and_releases_all_but_the_newest():
     assert stream.stats.n_buckets == 4
     with pytest.raises(ValueError, match="max_held"):
         BucketStream(iter(items), 1024, device="cpu", max_held=0)
+
+
+def _observed_source(n, freed, numel=16):
+    """(name, tensor) pairs of ``numel`` float32 zeros, made on demand; nobody but the consumer keeps them.
+
+    ``freed`` gets a tensor's name once the tensor is deleted (weakref.finalize)."""
+    for i in range(n):
+        t = torch.zeros(numel)
+        weakref.finalize(t, freed.add, f"t{i}")
+        yield f"t{i}", t
+
+
+@pytest.mark.parametrize("group_of", [None, lambda name: name])  # size-closed and group-closed buckets
+def test_iter_buckets_drops_its_references_to_a_yielded_bucket(group_of):
+    """While the consumer holds (loads) a bucket, the generator keeps none of its tensors: once the consumer
+    drops the bucket, its source tensors are freed, with the generator still suspended at that yield."""
+    freed = set()
+    limit = 2 * ALIGN if group_of is None else 1 << 20  # 64 B tensors: two a bucket, or one per name
+    per = 2 if group_of is None else 1
+    it = iter_buckets(_observed_source(3 * per, freed), limit, group_of=group_of)
+    seen = []
+    for k in range(3):
+        bucket = next(it)
+        names = [n for n, _ in bucket]
+        assert names == [f"t{i}" for i in range(k * per, (k + 1) * per)]  # what it yields is unchanged
+        seen += names
+        assert not freed & set(names)  # the consumer's list keeps them alive
+        del bucket
+        assert freed == set(seen), f"bucket {k}: still alive after the consumer dropped it: {set(seen) - freed}"
+        if k < 2:  # the look-ahead (first tensor of the next bucket) was read and is kept for that bucket
+            assert f"t{(k + 1) * per}" not in freed
+    assert next(it, None) is None
+
+
+def test_iter_buckets_yields_same_buckets_from_lists_and_generators():
+    items = _mixed() + [(f"z{i}", torch.zeros(i * 7 + 1)) for i in range(20)]
+    for limit in (1, ALIGN, 3 * ALIGN, 1 << 20):
+        from_list = [[n for n, _ in b] for b in iter_buckets(items, limit)]
+        from_gen = [[(n, t) for n, t in b] for b in iter_buckets((x for x in items), limit)]
+        assert [[n for n, _ in b] for b in from_gen] == from_list
+        flat = [t for b in from_gen for _, t in b]
+        assert len(flat) == len(items) and all(a is b for a, (_, b) in zip(flat, items))  # same tensor objects

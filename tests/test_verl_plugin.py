@@ -83,8 +83,11 @@ def test_verl_config_maps_to_rollout_config():
 
 
 def test_doctor_reports_every_check():
+    import torch
+
     out = subprocess.run([sys.executable, "-m", "sgl_rollout", "doctor"], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr
+    # without a GPU (CI) doctor says what is missing and exits 1 (tests/test_doctor.py)
+    assert out.returncode == (0 if torch.cuda.is_available() else 1), out.stderr
     for label in ("sglang", "torch-memory-saver", "verl", "memory-saver hook", "TP imbalance check", "GPUs",
                   'verl resolves "sglang" to'):
         assert any(line.startswith(label) for line in out.stdout.splitlines()), label

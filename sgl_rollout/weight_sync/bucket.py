@@ -42,6 +42,14 @@ def _checked_item(item) -> NamedTensor:
     return name, tensor
 
 
+def _hand_over(bucket: List[NamedTensor]) -> List[NamedTensor]:
+    # A new list with the items, ``bucket`` emptied: ``yield _hand_over(bucket)`` leaves the generator
+    # no reference to the yielded items (``yield bucket`` would keep one in its frame while suspended).
+    out = list(bucket)
+    bucket.clear()
+    return out
+
+
 def iter_buckets(
     named_tensors: Iterable[NamedTensor],
     bucket_bytes: int,
@@ -53,6 +61,11 @@ def iter_buckets(
     A tensor larger than ``bucket_bytes`` travels alone in its own bucket. Order is kept. The input
     is consumed lazily, so a generator that materialises tensors (an FSDP full-tensor gather, say)
     holds at most one bucket of them at a time. Empty input yields nothing.
+
+    While a bucket is out (the consumer flattens and loads it), the generator holds no reference to
+    its tensors, so they are freed as soon as the consumer drops the list. The one tensor it does hold
+    then is the look-ahead, the first tensor of the next bucket, which it had to read to close this one
+    (by size or by ``group_of``); it holds that tensor once, and nothing after the last bucket.
 
     Args:
         named_tensors: (name, tensor) pairs; tensors of any dtype, device, shape and strides.
@@ -86,6 +99,7 @@ def iter_buckets(
 
     for item in items:
         name, tensor = _checked_item(item)
+        del item  # `tensor` is the one reference this frame keeps to the look-ahead
         if validator is not None:
             validator.check(name, tensor)
         size = _aligned(tensor_nbytes(tensor))
@@ -95,15 +109,16 @@ def iter_buckets(
             new_group, group = bool(bucket) and g != group, g
         if bucket and (new_group or used + size > bucket_bytes):
             refuse_if_bad()
-            yield bucket
-            bucket, used = [], 0
+            yield _hand_over(bucket)
+            used = 0
         bucket.append((name, tensor))
         used += size
+        tensor = None  # now held by `bucket` only
     refuse_if_bad()
     if validator is not None:
         validator.finish()
     if bucket:
-        yield bucket
+        yield _hand_over(bucket)
 
 
 def bucket_layout(named_tensors: Sequence[NamedTensor]) -> Tuple[List[Tuple[int, int]], int]:
