@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import trace
 from .config import FAST_SYNC_LOADER, RolloutConfig
 from .engine import Generation
 from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
@@ -296,6 +297,7 @@ class RolloutServer:
         return await self._engine.async_generate(input_ids, sampling_params, n=n, return_logprob=return_logprob)
 
     # -------------------------------------------------------------- memory
+    @trace.traced("server.sleep")
     async def sleep(self) -> List[str]:
         """Release per ``sleep_level`` (nothing when ``free_cache_engine`` is False)."""
         if not self.config.free_cache_engine:
@@ -313,6 +315,7 @@ class RolloutServer:
         """Resume exactly ``tags`` (None: all); refuses invalid transitions."""
         return await self._engine.async_resume(tags)
 
+    @trace.traced("server.resume", fields=("stage",))
     async def resume_stage(self, stage: str) -> List[str]:
         """Resume one stage of the staged wake, only what is released: ``"weights"``, or ``"kv_cache"``
         (KV cache and CUDA-graph memory). A stage with nothing released is a no-op.
@@ -337,6 +340,7 @@ class RolloutServer:
         return await self.resume_stage(WEIGHTS) + await self.resume_stage(KV_CACHE)
 
     # -------------------------------------------------------------- weights
+    @trace.traced("server.begin_weight_sync")
     async def begin_weight_sync(self) -> None:
         """Start a bucketed weight sync: from here until :meth:`finish_weight_sync` no generate is
         admitted, so none sees half-new weights.
@@ -346,6 +350,7 @@ class RolloutServer:
         """
         await self._engine.async_begin_sync()
 
+    @trace.traced("server.finish_weight_sync")
     async def finish_weight_sync(self, ok: bool = True, global_steps: Optional[int] = None) -> None:
         """End the sync begun by :meth:`begin_weight_sync`; with ``ok`` the prefix cache is flushed and
         ``global_steps`` (when given) remembered as :meth:`set_global_steps` does, in the same call.
@@ -359,6 +364,7 @@ class RolloutServer:
             if global_steps is not None:
                 await self.set_global_steps(global_steps)
 
+    @trace.traced("server.update_weights_from_payloads")
     async def update_weights_from_payloads(self, payloads: List[bytes], fast_path: bool = False) -> None:
         """Load one flattened bucket (inside :meth:`begin_weight_sync` / :meth:`finish_weight_sync`):
         ``payloads[r]`` is TP rank ``r``'s serialized payload.

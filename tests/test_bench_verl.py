@@ -1,6 +1,7 @@
 """``python -m sgl_rollout.bench verl`` on the CPU: the timing probe (wrappers, import hooks, verl's
-dispatch marks kept), the exit status where verl's GPU stack is missing, the TP-layout refusal and the
-per-replica request counts at verl's default log level."""
+dispatch marks kept, this package's spans through :mod:`sgl_rollout.trace`, its way into Ray's workers),
+the exit status where the GPU or verl's GPU stack is missing, the TP-layout refusal and the per-replica
+request counts at verl's default log level."""
 
 import asyncio
 import json
@@ -28,7 +29,9 @@ def spans_in(folder: Path) -> list:
 def probe_dir(tmp_path, monkeypatch):
     monkeypatch.setenv(verl_probe.ENV_DIR, str(tmp_path / "spans"))
     monkeypatch.setattr(verl_probe, "_file", None)
+    monkeypatch.setattr(verl_probe, "_installed", False)
     yield tmp_path / "spans"
+    verl_probe.uninstall()  # no listener left behind for the next test
     if verl_probe._file is not None:
         verl_probe._file.close()
     monkeypatch.setattr(verl_probe, "_file", None)
@@ -309,48 +312,159 @@ def test_a_wrapped_method_of_a_class_pickled_by_value_leaves_its_globals_behind(
     restored = cloudpickle.loads(cloudpickle.dumps(colocate(probe_worker_mod.Worker)))
     assert restored.update_weights(None) == 3
     assert [s["name"] for s in spans_in(probe_dir)] == ["verl.update_weights"]
-    with pytest.raises(TypeError, match="lock"):  # what by-value pickling of the same method does
-        cloudpickle.dumps(colocate(type("W", (), {"update_weights": verl_probe.timed(
-            probe_worker_mod.Worker.update_weights.__wrapped__, "x", by_value=True)})))
 
 
-_MAKE_ACTOR_CLASS = textwrap.dedent("""
-    import sys
-    import cloudpickle, ray, verl  # verl loads the plugins: the probe's hooks
-    from sgl_rollout.integrations import verl_server
-    assert getattr(verl_server.VerlRolloutServer.generate, "_sgl_rollout_probe", False)
-    actor = ray.remote(verl_server._with_settings(verl_server.VerlRolloutServer, {}))
-    sys.stdout.buffer.write(cloudpickle.dumps(actor.__ray_metadata__.modified_class))
-""")
+# ------------------------------------------------------------------------------------ this package's spans
+def test_the_probe_wraps_nothing_of_this_package():
+    """This package emits its own spans (sgl_rollout.trace); a target naming one of its modules would
+    break silently at the next rename."""
+    ours = [(mod, path) for mod, path, _how in verl_probe.TARGETS if mod == "sgl_rollout" or mod.startswith("sgl_rollout.")]
+    assert ours == []
 
-_CALL_IN_A_FRESH_WORKER = textwrap.dedent("""
-    import asyncio, pickle, sys
-    cls = pickle.loads(sys.stdin.buffer.read())  # imports verl_server, which loads the probe mid-import
+
+def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, monkeypatch):
+    """Installed, the probe writes the spans of this package's fast-path sync (``rollout.bucket`` per
+    bucket, ``rollout.call`` per round), its server's staged wake (``server.resume[<stage>]``, with the
+    error of a refused stage) and its adapter (``rollout.resume[<tags>]``) in the records' format, without
+    wrapping anything of the package; uninstalled, it writes nothing more."""
+    from test_fast_path import hf_weights, rig
+
+    from sgl_rollout import trace
+    from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+    from sgl_rollout.ray import RolloutServer
+
+    from sgl_rollout.weight_sync import sender as sender_mod
+
+    monkeypatch.setattr(verl_probe, "TARGETS", [])  # verl's, SGLang's and torch's targets: other tests
+    package_fns = lambda: [RolloutServer.resume_stage, SglRolloutAdapter.resume, sender_mod._gather,  # noqa: E731
+                           sender_mod.FastPathSender._call]
+    before = package_fns()
+    assert verl_probe.install()
+    assert package_fns() == before  # nothing of the package was replaced
+
+    weights = hf_weights(seed=1)
+    _models, _engine, sender = rig(weights, 3000)  # many buckets
+    sender.send(iter(weights))
+
+    class Engine:
+        class state:
+            released = ["weights", "kv_cache", "cuda_graph"]
+
+        async def async_resume(self, tags):
+            return list(tags)
+
+    server = types.SimpleNamespace(_engine=Engine(), layout=None)
+    assert asyncio.run(RolloutServer.resume_stage(server, "kv_cache")) == ["kv_cache", "cuda_graph"]
+    with pytest.raises(ValueError, match="unknown stage"):
+        asyncio.run(RolloutServer.resume_stage(server, "optimizer"))
+    adapter = types.SimpleNamespace(rollout_config=types.SimpleNamespace(free_cache_engine=False), is_leader_rank=True)
+    asyncio.run(SglRolloutAdapter.resume(adapter, tags=["weights"]))
+
+    got = spans_in(probe_dir)
+    names = [s["name"] for s in got]
+    n_buckets = names.count("rollout.bucket")
+    assert n_buckets > 3 and names.count("rollout.call") >= n_buckets  # plus the plan's and the end's rounds
+    assert names[-3:] == ["server.resume[kv_cache]", "server.resume[optimizer]", "rollout.resume[weights]"]
+    assert all(set(s) == {"name", "t0", "dt", "pid", "rank"} for s in got if s["name"] != "server.resume[optimizer]")
+    refused = got[-2]
+    assert refused["error"] == "ValueError" and set(refused) == {"name", "t0", "dt", "pid", "rank", "error"}
+    assert all(s["pid"] == os.getpid() and s["dt"] >= 0 and abs(s["t0"] - got[0]["t0"]) < 60 for s in got)
+
+    verl_probe.uninstall()
+    assert not trace.enabled()
+    asyncio.run(SglRolloutAdapter.resume(adapter, tags=["kv_cache"]))
+    assert len(spans_in(probe_dir)) == len(got)
+
+
+def test_the_servers_generate_span_is_recorded_with_its_error_and_starts_the_stall_watchers(probe_dir, monkeypatch):
+    """``server.generate`` of this package's server actor (here a request it refuses) is written with the
+    error's class name, and starts the stall watchers as verl's wrapped server does."""
+    import threading
+    import weakref
+
+    pytest.importorskip("verl")
+    from sgl_rollout.integrations.verl_server import VerlRolloutServer
+
+    monkeypatch.setattr(verl_probe, "TARGETS", [])
+    monkeypatch.setattr(verl_probe, "_stall_stop", threading.Event())
+    monkeypatch.setattr(verl_probe, "_watched_loops", weakref.WeakSet())
+    monkeypatch.setattr(verl_probe, "_gil_watch_started", False)
+    assert verl_probe.install()
     try:
-        asyncio.run(cls.generate(object.__new__(cls), [1], {}, "r", image_data=[1]))
-    except NotImplementedError:
-        print("refused")
+        with pytest.raises(NotImplementedError):
+            asyncio.run(VerlRolloutServer.generate(object.__new__(VerlRolloutServer), [1], {}, "r", image_data=[1]))
+    finally:
+        verl_probe._stall_stop.set()
+    got = spans_in(probe_dir)
+    assert [(s["name"], s.get("error")) for s in got if s["name"] != "probe.stall_watch"] == [
+        ("server.generate", "NotImplementedError")]
+    assert sorted(s["watch"] for s in got if s["name"] == "probe.stall_watch") == ["gil", "loop"]
+
+
+_IN_RAY = textwrap.dedent("""
+    import asyncio, json, os, sys, types
+    import ray
+
+    runtime_env = json.loads(sys.argv[1])
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
+
+    def work():
+        from sgl_rollout.ray import RolloutServer
+        class Engine:
+            async def async_begin_sync(self):
+                pass
+        asyncio.run(RolloutServer.begin_weight_sync(types.SimpleNamespace(_engine=Engine())))
+        import verl.workers.rollout.replica as replica  # the built-in side's driver target
+        return os.getpid(), getattr(replica.RolloutReplica.sleep, "_sgl_rollout_probe", False)
+
+    @ray.remote(num_cpus=0)
+    class Inner:
+        def go(self):
+            return work()
+
+    @ray.remote(num_cpus=0)
+    class Outer:  # as verl's TaskRunner starts its workers: an actor with environment variables of its own
+        def go(self):
+            inner = Inner.options(runtime_env={"env_vars": {"INNER": "1"}}).remote()
+            return [work(), ray.get(inner.go.remote())]
+
+    outer = Outer.options(runtime_env={"env_vars": {"OUTER": "1"}}).remote()
+    print(json.dumps({"driver": os.getpid(), "actors": ray.get(outer.go.remote())}))
+    ray.shutdown()
 """)
 
 
-def test_a_ray_actor_method_stays_timed_in_a_worker_that_imports_it_before_the_probe(tmp_path):
-    """Ray copies an actor class's methods at ``ray.remote``; the worker that unpickles it imports
-    ``verl_server``, which imports verl, which loads the probe while ``verl_server`` is half imported,
-    so the worker's own copy of ``VerlRolloutServer.generate`` is never patched. The wrapper made where
-    the probe did patch it must travel by value and emit the span there."""
+def test_both_sides_install_the_probe_in_every_ray_worker_through_rays_setup_hook(tmp_path):
+    """The runtime environment the built-in side's command gives ``ray.init`` (no verl plugin at all)
+    installs the probe in an actor with environment variables of its own and in an actor that actor
+    starts: this package's spans are recorded there and verl's targets are wrapped; the driver, not a
+    Ray worker, records nothing."""
     pytest.importorskip("verl")
     pytest.importorskip("ray")
-    env = dict(os.environ, **{verl_probe.ENV_DIR: str(tmp_path / "spans"),
-                               "VERL_USE_EXTERNAL_PLUGINS": "sgl_rollout,sgl_rollout_probe"})
-    made = subprocess.run([sys.executable, "-c", _MAKE_ACTOR_CLASS], env=env, capture_output=True, timeout=300,
-                          cwd=tmp_path)
-    assert made.returncode == 0, made.stderr.decode()[-2000:]
-    called = subprocess.run([sys.executable, "-c", _CALL_IN_A_FRESH_WORKER], env=env, input=made.stdout,
-                            capture_output=True, timeout=300, cwd=tmp_path)
-    assert called.returncode == 0 and called.stdout.decode().strip() == "refused", called.stderr.decode()[-2000:]
-    spans = spans_in(tmp_path / "spans")
-    assert [(s["name"], s.get("error")) for s in spans if s["name"] != "probe.stall_watch"] == [
-        ("server.generate", "NotImplementedError")]
+    cmd = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "run", 1, 1, 4, 0.5, python="python")
+    runtime_env: dict = {}
+    prefix = "+ray_kwargs.ray_init.runtime_env."
+    for arg in cmd:
+        if arg.startswith(prefix):
+            key, value = arg[len(prefix):].split("=", 1)
+            *owners, last = key.split(".")
+            node = runtime_env
+            for part in owners:
+                node = node.setdefault(part, {})
+            node[last] = value.strip("'")
+    assert runtime_env["worker_process_setup_hook"] == verl_probe.SETUP_HOOK
+    assert runtime_env["env_vars"]["VERL_USE_EXTERNAL_PLUGINS"] == "none"
+    env = {k: v for k, v in os.environ.items() if k != verl_probe.ENV_DIR}
+    env.update(RAY_ADDRESS="", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _IN_RAY, json.dumps(runtime_env)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    (outer_pid, outer_wrapped), (inner_pid, inner_wrapped) = out["actors"]
+    assert outer_wrapped and inner_wrapped and len({outer_pid, inner_pid, out["driver"]}) == 3
+    spans = spans_in(tmp_path / "run" / "spans")
+    assert sorted((s["name"], s["pid"]) for s in spans) == sorted(
+        [("server.begin_weight_sync", outer_pid), ("server.begin_weight_sync", inner_pid)])
 
 
 def test_install_is_inert_without_the_folder(monkeypatch):
@@ -367,7 +481,7 @@ def test_probe_targets_exist_in_verl():
 
     missing = []
     for mod, path, _how in verl_probe.TARGETS:
-        if not (mod.startswith("verl.") or mod.startswith("sgl_rollout.") or mod.startswith("torch")):
+        if not (mod.startswith("verl.") or mod.startswith("torch")):
             continue
         if mod.startswith("verl.workers.rollout.sglang_rollout"):
             continue  # imports SGLang's serving stack, absent from the CPU test environment
@@ -380,13 +494,17 @@ def test_probe_targets_exist_in_verl():
 
 
 # ------------------------------------------------------------------------------------ command
-def test_command_exits_2_with_one_line_without_sglang_kernels():
-    """The CPU test environment has verl and SGLang's Python package but not its kernels."""
-    proc = subprocess.run([sys.executable, "-m", "sgl_rollout.bench", "verl", "--steps", "1"], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+def test_command_on_a_machine_without_a_gpu_says_so_in_one_line_before_starting_anything(tmp_path):
+    """No CUDA GPU visible (the CPU test environment, or CUDA_VISIBLE_DEVICES empty): the one line names
+    the missing GPU, not SGLang's kernels (also missing here), and nothing is written."""
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "sgl_rollout.bench", "verl", "--steps", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("bench verl: ") and "kernels" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("bench verl: no CUDA GPU is visible"), proc.stderr
+    assert "kernels" not in lines[0] and not out.exists()
 
 
 def test_preflight_names_what_is_missing():
@@ -394,8 +512,13 @@ def test_preflight_names_what_is_missing():
     verl_compare.preflight(1, find_spec=present, cuda_devices=lambda: 1)
     with pytest.raises(verl_compare.SetupError, match=r"^verl \(pip install verl==0.9.1\) is not installed"):
         verl_compare.preflight(1, find_spec=lambda n: None if n == "verl" else object(), cuda_devices=lambda: 1)
-    with pytest.raises(verl_compare.SetupError, match=r"2 CUDA GPU\(s\) needed, 1 visible"):
-        verl_compare.preflight(2, find_spec=present, cuda_devices=lambda: 1)
+    with pytest.raises(verl_compare.SetupError, match=r"^wrapt .*timing probe"):
+        verl_compare.preflight(1, find_spec=lambda n: None if n == "wrapt" else object(), cuda_devices=lambda: 1)
+    with pytest.raises(verl_compare.SetupError, match=r"2 CUDA GPU\(s\) needed, 1 visible \(CUDA_VISIBLE_DEVICES='3'\)"):
+        verl_compare.preflight(2, find_spec=present, cuda_devices=lambda: 1, environ={"CUDA_VISIBLE_DEVICES": "3"})
+    # no GPU: that is what is said, whatever else is missing (without a GPU, SGLang's kernels are too)
+    with pytest.raises(verl_compare.SetupError, match=r"^no CUDA GPU is visible here; .* on 1 GPU"):
+        verl_compare.preflight(1, find_spec=lambda n: None, cuda_devices=lambda: 0, environ={})
 
 
 def test_the_installed_copy_verl_imports_is_this_checkout():
@@ -450,8 +573,12 @@ def test_the_two_sides_differ_only_in_the_plugins_and_the_run_name(tmp_path):
     diff = [(x, y) for x, y in zip(norm(b, tmp_path / "b"), norm(o, tmp_path / "o")) if x != y]
     assert len(b) == len(o)
     assert diff == [("trainer.experiment_name=compare_builtin", "trainer.experiment_name=compare_ours"),
-                    ("+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='sgl_rollout_probe'",
-                     "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='sgl_rollout,sgl_rollout_probe'")]
+                    ("+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='none'",
+                     "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS='sgl_rollout'")]
+    # both sides install the probe the same way, through Ray (no verl plugin of the probe's own)
+    hook = f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={verl_probe.SETUP_HOOK}"
+    assert hook in b and hook in o
+    assert verl_compare.side_env("builtin", tmp_path / "b", base={})["VERL_USE_EXTERNAL_PLUGINS"] == "none"
     assert len(verl_compare.differences()) == 2
     # --fast-sync: one more override, on our side only, and said so
     fb = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "b", 1, 1, 4, 0.5, python="python", fast_sync=True)
@@ -468,7 +595,8 @@ def test_the_two_sides_differ_only_in_the_plugins_and_the_run_name(tmp_path):
 
     root = compose(*[a for a in o[3:] if not a.startswith(("actor_rollout_ref.model.path", "hydra."))],
                    model_path=str(tmp_path / "m"))
-    assert root.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS == "sgl_rollout,sgl_rollout_probe"
+    assert root.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_PLUGINS == "sgl_rollout"
+    assert root.ray_kwargs.ray_init.runtime_env.worker_process_setup_hook == verl_probe.SETUP_HOOK
 
 
 class FakeNvml:

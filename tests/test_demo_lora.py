@@ -126,13 +126,15 @@ class _Run:
 
 
 def run_demo(tiny_dir, tmp_path, monkeypatch, steps=2, **over):
+    from sgl_rollout import workloads
     from sgl_rollout.demo import loop, trainer as trainer_mod
     from sgl_rollout.engine import RolloutEngine
     from sgl_rollout.worker import RolloutWorker
 
     # a random model never answers right: reward something it does vary in, so the policy moves
     monkeypatch.setattr(task, "reward", lambda text, answer, finished=True, format_weight=0.1: float(len(text) % 2))
-    monkeypatch.setattr(task, "SYSTEM_PROMPT", "Add.")  # shorter prompts (bytes are tokens here): a faster test
+    # shorter prompts (bytes are tokens here): a faster test; the task's prompts are made in sgl_rollout.workloads
+    monkeypatch.setattr(workloads, "SYSTEM_PROMPT", "Add.")
     r = _Run()
     r.fakes, r.trainers = [], []
 

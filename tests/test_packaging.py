@@ -14,6 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from sgl_rollout.bench.verl_compare import package_files
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,3 +45,57 @@ def test_wheel_holds_every_source_module(tmp_path):
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "sgl_rollout = sgl_rollout.integrations.verl:register" in text  # what verl's rollout.name=sglang finds
+    # the product's only verl plugin: the benchmark's timing probe reaches verl's workers through Ray's
+    # worker_process_setup_hook (sgl_rollout.bench.verl_probe), not through every user's `import verl`
+    assert {ln for ln in text.splitlines() if "=" in ln} == {"sgl_rollout = sgl_rollout.integrations.verl:register",
+                                                             "sgl-rollout = sgl_rollout.__main__:main"}
+
+
+def _imported_modules(path: Path, package: str) -> set:
+    """Absolute names of the modules ``path`` (a module of ``package``) imports, anywhere in it (function
+    bodies included): ``from ..bench import x`` in ``sgl_rollout.demo.loop`` is ``sgl_rollout.bench`` and
+    ``sgl_rollout.bench.x``."""
+    import ast
+
+    tree = ast.parse(path.read_text(), filename=str(path))
+    parts = package.split(".")
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = parts[: len(parts) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+@pytest.mark.parametrize("package,forbidden", [
+    ("sgl_rollout.demo", "sgl_rollout.bench"),
+    ("sgl_rollout.bench", "sgl_rollout.demo"),
+])
+def test_the_demo_and_the_benchmarks_do_not_import_each_other(package, forbidden):
+    """What both use (the model, the task, verl's run of it) lives below both, in sgl_rollout.workloads."""
+    folder = ROOT / package.replace(".", "/")
+    bad = sorted(f"{p.relative_to(ROOT)}: {m}" for p in folder.glob("*.py")
+                 for m in _imported_modules(p, package) if m == forbidden or m.startswith(forbidden + "."))
+    assert bad == []
+
+
+@pytest.mark.parametrize("module", ["sgl_rollout/workloads.py", "sgl_rollout/trace.py"])
+def test_the_shared_modules_stay_below_the_demo_and_the_benchmarks(module):
+    imported = _imported_modules(ROOT / module, "sgl_rollout")
+    assert sorted(m for m in imported if m.startswith(("sgl_rollout.demo", "sgl_rollout.bench"))) == []
+    if module.endswith("trace.py"):  # imported by the engine's hot paths: the standard library only
+        assert sorted(m for m in imported if m.split(".")[0] in ("sgl_rollout", "torch", "ray", "verl", "sglang")) == []
+
+
+def test_the_import_check_sees_relative_and_nested_imports(tmp_path):
+    """The check above can fail: a function-level ``from ..bench import`` in the demo is found."""
+    mod = tmp_path / "loop.py"
+    mod.write_text("def run():\n    from ..bench import gpu_engine_flags\n    from . import task\n")
+    assert {"sgl_rollout.bench", "sgl_rollout.bench.gpu_engine_flags", "sgl_rollout.demo.task"} <= \
+        _imported_modules(mod, "sgl_rollout.demo")

@@ -7,6 +7,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from ..workloads import gpu_engine_flags  # noqa: F401 - the benchmarks' and the GPU tests' name for it
+
 # TinyLlama-1.1B's shape.
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -110,9 +112,3 @@ def lora_named_tensors(shape: Dict, rank: int, device: str = "cuda", dtype: torc
             out.append((p + "lora_A.weight", (torch.randn(rank, fan_in, device=device, generator=g) * 0.01).to(dtype)))
             out.append((p + "lora_B.weight", (torch.randn(fan_out, rank, device=device, generator=g) * 0.01).to(dtype)))
     return out
-
-
-def gpu_engine_flags() -> Dict:
-    """SGLang ServerArgs that work on the project's GPU host overlay (shared/gpu-overlay/README.md)."""
-    return dict(attention_backend="triton", sampling_backend="pytorch", grammar_backend="none",
-                skip_tokenizer_init=True, log_level="error")

@@ -1,10 +1,11 @@
 """``python -m sgl_rollout.bench verl``: verl's built-in SGLang rollout against this package, in verl's own run.
 
 It runs the same ``python -m verl.trainer.main_ppo`` GRPO configuration (the one of
-``examples/verl/run_grpo.sh``: :func:`sgl_rollout.demo.verl_task.grpo_overrides`) twice per pair, each in a
+``examples/verl/run_grpo.sh``: :func:`sgl_rollout.workloads.grpo_overrides`) twice per pair, each in a
 fresh process: once with verl's built-in rollout answering ``rollout.name=sglang``
-(``VERL_USE_EXTERNAL_PLUGINS=sgl_rollout_probe``: verl loads no plugin but the timing probe) and once with
-this package (``VERL_USE_EXTERNAL_PLUGINS=sgl_rollout,sgl_rollout_probe``). Model, data, seed, batch,
+(``VERL_USE_EXTERNAL_PLUGINS=none``: verl loads no plugin) and once with this package
+(``VERL_USE_EXTERNAL_PLUGINS=sgl_rollout``). Both load the timing probe (:mod:`.verl_probe`) the same way,
+through Ray's ``worker_process_setup_hook`` (:func:`side_command`). Model, data, seed, batch,
 response length, ``gpu_memory_utilization``, ``free_cache_engine`` and steps are the same; what differs
 is printed with the reason (:func:`differences`). Pairs alternate their order (built-in first in odd
 pairs), so drift on the machine does not favour one side.
@@ -18,7 +19,8 @@ into the run folder and prints the Markdown. ``--report-only`` rewrites them for
 found (:func:`recorded_pairs`).
 
 Exit status: 0 when every run finished, 1 when a run failed (the report says which and how far it
-got), 2 with one line when verl, a CUDA GPU or SGLang's kernels are missing, when the ``sgl_rollout`` verl's
+got), 2 with one line, before anything starts, when no CUDA GPU is visible (or fewer than ``--ngpus``), when
+verl, SGLang, SGLang's kernels or the probe's ``wrapt`` are missing, when the ``sgl_rollout`` verl's
 processes would import is not the running one (:func:`check_installed_copy`), or the model cannot be made.
 """
 
@@ -40,35 +42,34 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-#: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: a comma list loads only those plugins).
-PLUGINS = {"builtin": "sgl_rollout_probe", "ours": "sgl_rollout,sgl_rollout_probe"}
+#: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: ``none`` loads no plugin, a comma list only
+#: those named): the only thing that decides which rollout answers ``rollout.name=sglang``.
+PLUGINS = {"builtin": "none", "ours": "sgl_rollout"}
 #: Shapes ``--random-model`` can build (Llama-shaped, random bf16 weights, the source model's tokenizer).
 RANDOM_SHAPES = ("1b",)
 
 class SetupError(RuntimeError):
-    """What keeps the comparison from running here (verl, a GPU, SGLang's kernels, the model); one line."""
+    """What keeps the comparison from running here (a GPU, verl, SGLang's kernels, the model); one line."""
 
 
 # ------------------------------------------------------------------------------------ preflight
-def preflight(ngpus: int, find_spec=importlib.util.find_spec, cuda_devices=None) -> None:
-    """Check that verl, SGLang's kernels and ``ngpus`` CUDA GPUs are there, before anything starts.
+def preflight(ngpus: int, find_spec=importlib.util.find_spec, cuda_devices=None,
+              environ: Optional[Dict[str, str]] = None) -> None:
+    """Check that ``ngpus`` CUDA GPUs are visible, then that verl, SGLang, its kernels and the probe's
+    ``wrapt`` are installed, before anything starts.
+
+    The GPU comes first: on a machine without one, the missing GPU is the cause to name, not a GPU
+    package that is missing too (SGLang's kernels are not installed where there is no GPU).
 
     Args:
         ngpus: GPUs the run needs.
         find_spec: module lookup (tests pass a double).
         cuda_devices: ``() -> int`` CUDA devices visible (None: torch's count, 0 without CUDA).
+        environ: where ``CUDA_VISIBLE_DEVICES`` is read for the message (None: ``os.environ``).
 
     Raises:
         SetupError: one line naming what is missing.
     """
-    for mod, what in (("verl", "verl (pip install verl==0.9.1)"), ("sglang", "SGLang (pip install sglang)"),
-                      ("sgl_kernel", "SGLang's kernels (sgl_kernel / sglang-kernel)")):
-        try:
-            found = find_spec(mod) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise SetupError(f"{what} is not installed here; the comparison runs verl's trainer with SGLang")
     if cuda_devices is None:
         def cuda_devices():
             import torch
@@ -76,7 +77,21 @@ def preflight(ngpus: int, find_spec=importlib.util.find_spec, cuda_devices=None)
             return torch.cuda.device_count() if torch.cuda.is_available() else 0
     n = cuda_devices()
     if n < ngpus:
-        raise SetupError(f"{ngpus} CUDA GPU(s) needed, {n} visible")
+        env = os.environ if environ is None else environ
+        where = (f" (CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']!r})" if "CUDA_VISIBLE_DEVICES" in env else "")
+        if n == 0:
+            raise SetupError(f"no CUDA GPU is visible here{where}; the comparison runs verl's trainer and SGLang "
+                             f"on {ngpus} GPU(s)")
+        raise SetupError(f"{ngpus} CUDA GPU(s) needed, {n} visible{where}")
+    for mod, what in (("verl", "verl (pip install verl==0.9.1)"), ("sglang", "SGLang (pip install sglang)"),
+                      ("sgl_kernel", "SGLang's kernels (sgl_kernel / sglang-kernel)"),
+                      ("wrapt", "wrapt (pip install 'sgl-rollout[bench]'), which the timing probe needs,")):
+        try:
+            found = find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise SetupError(f"{what} is not installed here; the comparison runs verl's trainer with SGLang")
 
 
 def package_files(pkg_dir: Path) -> Dict[str, str]:
@@ -103,7 +118,8 @@ def check_installed_copy(env: Optional[Dict[str, str]] = None, here: Optional[Pa
     """Check that verl's processes load this very ``sgl_rollout``, before the runs start.
 
     verl's driver and its Ray workers do not run in the checkout: they import ``sgl_rollout`` from
-    ``PYTHONPATH`` or site-packages, and find the rollout through the ``verl.plugins`` entry point. A copy
+    ``PYTHONPATH`` or site-packages (on both sides: Ray's setup hook imports the timing probe,
+    :mod:`.verl_probe`, in every worker), and find the rollout through the ``verl.plugins`` entry point. A copy
     installed with ``pip install .`` before the checkout changed would run old code on "our" side (seen:
     a wheel without ``sgl_rollout.engine`` failed in verl's workers after 2 minutes); with no entry point,
     ``rollout.name=sglang`` would be verl's built-in on both sides. This imports ``sgl_rollout`` in a fresh
@@ -301,7 +317,7 @@ def fast_sync_override(fast_sync: Optional[bool]) -> Optional[str]:
 def differences(fast_sync: Optional[bool] = None) -> List[str]:
     """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
-           "which rollout answers rollout.name=sglang; both load the timing probe (sgl_rollout_probe)",
+           "which rollout answers rollout.name=sglang; both run the timing probe (Ray's worker_process_setup_hook)",
            "trainer.experiment_name: compare_builtin vs compare_ours, to tell the runs apart in verl's logs"]
     override = fast_sync_override(fast_sync)
     if override is not None:
@@ -315,14 +331,21 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
                  python: str = sys.executable, fast_sync: Optional[bool] = None) -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
-    ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default)."""
-    from ..demo.verl_task import grpo_overrides
+    ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default).
+
+    Both sides install the timing probe in every Ray worker the same way: Ray's
+    ``runtime_env.worker_process_setup_hook`` (:data:`.verl_probe.SETUP_HOOK`), with the probe's folder
+    and the plugin list in ``runtime_env.env_vars`` (verl's workers read them there, not from this
+    process's environment)."""
+    from ..workloads import grpo_overrides
+    from .verl_probe import ENV_DIR, SETUP_HOOK
 
     overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps,
                                gpu_memory_utilization=gpu_memory_utilization, experiment_name=f"compare_{side}")
-    env_keys = {"SGL_ROLLOUT_PROBE_DIR": str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
+    env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
+    overrides.append(f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}")
     if side == "ours" and fast_sync_override(fast_sync) is not None:
         overrides.append(fast_sync_override(fast_sync))
     return [python, "-m", "verl.trainer.main_ppo", *overrides, *extra]
@@ -454,7 +477,7 @@ def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
         ValueError: unknown shape.
         subprocess.CalledProcessError: the child process that writes the weights failed.
     """
-    from .models import LLAMA_1B, make_llama_dir
+    from .models import LLAMA_1B
 
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random model shape {shape!r}; one of {RANDOM_SHAPES}")
@@ -555,7 +578,7 @@ def recorded_pairs(out: Path) -> List[int]:
 
 def main(args: argparse.Namespace) -> int:
     """Run the comparison; see the module docstring for the exit status."""
-    from ..demo.verl_task import write_parquet
+    from ..workloads import write_parquet
     from . import verl_report
 
     out = Path(args.out or f"runs/verl-compare-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -576,9 +599,8 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         preflight(args.ngpus)
-        if "ours" in sides:
-            check_installed_copy()
-        from ..demo.model import ModelSetupError, resolve_model
+        check_installed_copy()  # both sides: every Ray worker imports the probe (and ours the rollout) from it
+        from ..workloads import ModelSetupError, resolve_model
 
         try:
             model_dir = resolve_model(args.model, args.gguf)

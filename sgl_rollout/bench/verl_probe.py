@@ -1,18 +1,32 @@
 """Phase timer for verl's weight update, for both verl's built-in SGLang rollout and this package.
 
 ``python -m sgl_rollout.bench verl`` (:mod:`.verl_compare`) runs verl's own trainer twice and must say
-where ``timing_s/update_weights`` goes on both sides without changing verl. This module is a verl plugin
-(entry point ``sgl_rollout_probe`` in the group ``verl.plugins``): verl imports it at ``import verl`` in
-every process of the run (``verl/__init__.py``; ``VERL_USE_EXTERNAL_PLUGINS=sgl_rollout_probe`` loads it
-alone, so verl's built-in rollout answers ``rollout.name=sglang``). Imported with
-``SGL_ROLLOUT_PROBE_DIR`` set, it wraps the methods of :data:`TARGETS` as their modules are imported
-(``wrapt``'s post-import hooks) and appends one JSON line per call to
-``$SGL_ROLLOUT_PROBE_DIR/spans-<pid>.jsonl``. Without the variable it does nothing.
+where ``timing_s/update_weights`` goes on both sides without changing verl.
+
+How it gets into verl's processes: each side's command passes
+``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=sgl_rollout.bench.verl_probe.setup_hook``
+(:data:`SETUP_HOOK`), which verl's ``main_ppo`` hands to ``ray.init``. Ray keeps the hook in the job's
+runtime environment (as an environment variable every actor inherits, whatever environment variables
+verl adds to it) and runs :func:`setup_hook` in each worker process it starts, before any task or actor
+(``ray/_private/workers/default_worker.py``). So the probe reaches verl's TaskRunner, the trainer
+workers, the engine actors and the agent-loop workers on both sides, independently of verl's plugin
+list: the built-in side loads no plugin at all (``VERL_USE_EXTERNAL_PLUGINS=none``).
+
+With ``SGL_ROLLOUT_PROBE_DIR`` set, :func:`install` (the hook's work) does two things:
+
+* for this package, it subscribes to the spans the package emits itself (:mod:`sgl_rollout.trace`:
+  ``rollout.*``, ``server.*``) and writes each one as a record (:func:`record_span`); nothing of this
+  package is wrapped or named by its module path here, so a rename inside the package cannot break it;
+* for verl, SGLang and torch, which emit no spans, it wraps the functions of :data:`TARGETS` as their
+  modules are imported (``wrapt``'s post-import hooks).
+
+Each span becomes one JSON line of ``$SGL_ROLLOUT_PROBE_DIR/spans-<pid>.jsonl``. Without the variable it
+does nothing.
 
 A span is ``{"name", "t0", "dt", "pid", "rank", "step"?, "busy"?, "n"?, "error"?}``: ``t0`` wall-clock
 seconds (``time.time``, comparable across the processes of one host), ``dt`` seconds (``perf_counter``).
 ``busy`` spans sum the time spent inside an iterator's ``next`` over ``n`` items (the weights generator:
-FSDP's ``full_tensor`` gathers; the bucketers), emitted when the iterator ends. What is wrapped, and
+FSDP's ``full_tensor`` gathers; verl's bucketer), emitted when the iterator ends. What is timed, and
 where it comes from (verl 0.9.1, SGLang 0.5.10):
 
 * trainer worker (``verl/workers/engine_workers.py``): ``ActorRolloutRefWorker.update_weights``
@@ -21,21 +35,22 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   (``verl.engine_to``: the actor's offload); and, only while ``update_weights`` runs, torch's
   ``empty_cache``, ``synchronize`` and ``barrier`` and verl's ``set_expandable_segments``;
 * the rollout adapter in the trainer worker: verl's ``ServerAdapter``
-  (``verl/workers/rollout/sglang_rollout/sglang_rollout.py``) or this package's ``SglRolloutAdapter``:
-  ``resume`` (``rollout.resume[<tags>]``), ``release``, ``update_weights`` (``rollout.update_weights``);
-  their bucketers (verl's ``get_named_tensor_buckets``, this package's ``BucketStream.next_payload``:
-  ``rollout.bucket`` busy, the weights generator included) and engine calls (verl's
-  ``sgl_update_weights`` per bucket: ``rollout.call``); on this package's fast path, the writes of a
-  bucket into the buffer (``_gather``: ``rollout.bucket``) and each round with its engine call
-  (``FastPathSender._call``: ``rollout.call``);
+  (``verl/workers/rollout/sglang_rollout/sglang_rollout.py``, wrapped) or this package's
+  ``SglRolloutAdapter`` (its spans): ``resume`` (``rollout.resume[<tags>]``), ``release``,
+  ``update_weights`` (``rollout.update_weights``); their bucketers (verl's ``get_named_tensor_buckets``:
+  ``rollout.bucket`` busy, the weights generator included; this package: ``rollout.bucket`` per bucket
+  flattened, or on its fast path written into the buffer) and engine calls (verl's
+  ``sgl_update_weights`` per bucket: ``rollout.call``; this package's fast path: ``rollout.call`` per
+  round over the TP ranks, its engine call included);
 * the engine's process (verl's ``SGLangHttpServer`` actor or this package's ``VerlRolloutServer``):
   SGLang's ``TokenizerCommunicatorMixin`` coroutines (``sglang.resume[<tags>]``, ``sglang.release[...]``,
-  ``sglang.update_weights_from_tensor``, ``sglang.flush_cache``) and this package's server methods
-  (``server.*``);
+  ``sglang.update_weights_from_tensor``, ``sglang.flush_cache``) and this package's server spans
+  (``server.sleep``, ``server.resume[<stage>]``, ``server.begin_weight_sync``,
+  ``server.update_weights_from_payloads``, ``server.finish_weight_sync``);
 * the engine's process, per request: SGLang's ``TokenizerManager.generate_request`` until its answer
   (``sglang.generate_request``; both sides call it once per request and take the first item);
-  and the server actor's ``generate`` (verl's ``SGLangHttpServer`` or this package's
-  ``VerlRolloutServer``: ``server.generate``, until the actor returns);
+  and the server actor's ``generate`` (verl's ``SGLangHttpServer``, wrapped, or this package's
+  ``server.generate`` span: until the actor returns);
 * verl's agent-loop workers: ``LLMServerClient.generate`` per request (``verl.client_generate``, until
   the answer is back over Ray), and its round trip to verl's load balancer first
   (``LLMServerClient._acquire_server``: ``verl.acquire_server``);
@@ -67,8 +82,12 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from .. import trace
+
 #: Environment variable naming the folder the spans go to; unset, the probe installs nothing.
 ENV_DIR = "SGL_ROLLOUT_PROBE_DIR"
+#: What each side's command gives Ray as ``runtime_env.worker_process_setup_hook`` (see the module docstring).
+SETUP_HOOK = "sgl_rollout.bench.verl_probe.setup_hook"
 
 _lock = threading.Lock()
 _file = None
@@ -79,9 +98,7 @@ _window = 0
 
 
 def _open_window(n: int) -> None:
-    """Add ``n`` to this process's count of running ``verl.update_weights`` calls. A module function, not
-    a global the wrappers change, so that a wrapper pickled by value into a Ray worker (see
-    :func:`_mark`) counts in that worker's module."""
+    """Add ``n`` to this process's count of running ``verl.update_weights`` calls."""
     global _window
     _window += n
 
@@ -90,23 +107,16 @@ def _in_window() -> bool:
     return _window > 0
 
 
-def _mark(wrapper: Callable, fn: Callable, by_value: bool = False) -> Callable:
-    """Mark ``wrapper`` as the probe's; with ``by_value``, also give it a qualified name no attribute
-    lookup finds.
+def _mark(wrapper: Callable) -> Callable:
+    """Mark ``wrapper`` as the probe's, so that :func:`timed` never wraps it twice.
 
-    Ray copies an actor class's methods when ``ray.remote`` makes it an actor, and cloudpickle sends
-    a function whose module and qualified name find it again *by reference*: the worker then looks it
-    up in its own copy of the module. Where the probe never patched that copy, because verl loaded the
-    probe while the module was still importing (``VerlRolloutServer``: its module imports verl), the
-    worker runs the bare method. A wrapper whose ``__qualname__`` lookup fails is pickled by value and
-    runs in the worker as it ran here; so is the original method inside it (its lookup finds the
-    wrapper), with every global it uses. That is why only such targets are sent by value: verl's
-    trainer workers are colocated into a class pickled by value, and a verl method carried along
-    with its globals (a torch config module among them) cannot be pickled at all.
+    The wrapper keeps the wrapped function's qualified name (``functools.wraps``), so Ray's cloudpickle
+    sends it *by reference*: verl colocates its trainer workers into a class made at run time
+    (``WorkerDict``), pickled by value with the workers' methods, and a verl method carried by value
+    with its globals (a torch config module among them) cannot be pickled at all. The worker finds the
+    wrapper again because the probe is installed there before anything is imported (:func:`setup_hook`).
     """
     wrapper._sgl_rollout_probe = True
-    if by_value:
-        wrapper.__qualname__ = f"{getattr(fn, '__qualname__', getattr(fn, '__name__', 'fn'))}.<probe>"
     return wrapper
 
 
@@ -144,9 +154,10 @@ _stall_stop = threading.Event()
 def _watch_stalls() -> None:
     """Start, once per event loop and once per process, the stall watchers of the engine's process.
 
-    Called from the wrappers of the server actor's ``generate`` and SGLang's ``generate_request``, so
-    it runs on the actor's loop and on the loop SGLang's tokenizer manager runs on (the same loop for
-    verl's server; this package's engine thread otherwise). A task sleeping ``_TICK_S`` on that loop
+    Called from the wrappers of verl's server actor's ``generate`` and SGLang's ``generate_request``, and
+    as this package's ``server.generate`` span ends (:func:`record_span`), so it runs on the actor's loop
+    and on the loop SGLang's tokenizer manager runs on (the same loop for verl's server; this package's
+    engine thread otherwise). A task sleeping ``_TICK_S`` on that loop
     emits ``probe.loop_stall`` (``dt``: how late it woke, ``thread``: the loop's thread) when it woke
     more than :data:`STALL_S` late: the loop ran something else that long. A daemon thread sleeping
     ``_TICK_S`` emits ``probe.gil_stall`` the same way: another thread of the process held the GIL
@@ -301,7 +312,7 @@ async def _timed_aiter(ait, name: str):
 def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str]] = None,
           step_kw: Optional[str] = None, result: Optional[Callable[[Any], Any]] = None,
           window: bool = False, window_only: bool = False, watch: bool = False,
-          by_value: bool = False, memory: bool = False) -> Callable:
+          memory: bool = False) -> Callable:
     """``fn`` wrapped to emit a span per call (a coroutine function stays one; attributes such as verl's
     dispatch-mode marks are kept by ``functools.wraps``).
 
@@ -314,7 +325,6 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
         window_only: emit only inside a ``window`` call of this process (torch's ``empty_cache``,
             ``synchronize``, ``barrier``: called often elsewhere).
         watch: start the stall watchers (:func:`_watch_stalls`) on the first call.
-        by_value: pickle the wrapper by value (see :func:`_mark`).
         memory: a :func:`memory_snapshot` before the span starts and after it is emitted (``step`` too).
     """
     if getattr(fn, "_sgl_rollout_probe", False):
@@ -379,7 +389,7 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
                 return finish()
             emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, None))
             return result(out) if result else out
-    return _mark(wrapper, fn, by_value)
+    return _mark(wrapper)
 
 
 def _gen_result(name: str) -> Callable[[Any], Any]:
@@ -420,19 +430,48 @@ def _agen_factory(fn: Callable, name: str, first_item: bool = False, watch: bool
         if watch:
             _watch_stalls()
         return timer(fn(*args, **kwargs).__aiter__(), name)
-    return _mark(wrapper, fn)
+    return _mark(wrapper)
 
 
 def _tags_at(pos: int) -> Callable[[tuple, dict], str]:
     return lambda args, kwargs: _tags_of(args, kwargs, pos)
 
 
-def _stage_of(args, kwargs) -> str:
-    stage = kwargs.get("stage", args[1] if len(args) > 1 else None)
-    return f"[{stage}]"
+# ------------------------------------------------------------------------------- this package's spans
+#: This package's spans whose record name carries one of their fields, as the wrapped verl spans carry
+#: an argument: ``rollout.resume[weights]`` (the adapter's ``tags``), ``server.resume[kv_cache]`` (the
+#: server's ``stage``). The field is consumed by the name, so the record has the fields of any other span.
+NAME_FIELDS: Dict[str, Tuple[str, Callable[[Any], str]]] = {
+    "rollout.resume": ("tags", lambda tags: _tags_of((), {"tags": tags}, 0)),
+    "server.resume": ("stage", lambda stage: f"[{stage}]"),
+}
+#: This package's spans that start the stall watchers (:func:`_watch_stalls`) on the loop they end on.
+WATCH_SPANS = frozenset({"server.generate"})
 
 
-#: (module, attribute path, how): what :func:`install` wraps. ``how`` is a dict of :func:`timed`'s
+def record_span(span: "trace.Span") -> None:
+    """The :mod:`sgl_rollout.trace` listener: write one of this package's spans as a record.
+
+    The record has the span's ``name`` (with :data:`NAME_FIELDS`' suffix), ``t0``, ``dt``, its other
+    fields and ``error`` (the exception's class name) where the span ended in one: the format of the
+    wrapped targets' spans, so :mod:`.verl_report` reads both sides alike. A span of :data:`WATCH_SPANS`
+    also starts the stall watchers of the process.
+    """
+    fields = dict(span.fields)
+    name = span.name
+    if name in NAME_FIELDS:
+        key, label = NAME_FIELDS[name]
+        name += label(fields.pop(key, None))
+    if span.error is not None:
+        fields["error"] = span.error
+    if span.name in WATCH_SPANS:
+        _watch_stalls()
+    emit(name, span.t0, span.dt, **fields)
+
+
+# ------------------------------------------------------------------------------- verl, SGLang, torch
+#: (module, attribute path, how): what :func:`install` wraps; only verl's, SGLang's and torch's functions
+#: (this package emits its own spans, see :func:`record_span`). ``how`` is a dict of :func:`timed`'s
 #: arguments, or ``{"agen": name, "first_item"?: bool, "watch"?: bool}`` (:func:`_agen_factory`'s) for an
 #: async-generator function or method.
 TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
@@ -458,16 +497,7 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
      dict(name="rollout.update_weights")),
     ("verl.workers.rollout.sglang_rollout.sglang_rollout", "get_named_tensor_buckets", {"agen": "rollout.bucket"}),
     ("verl.workers.rollout.sglang_rollout.sglang_rollout", "sgl_update_weights", dict(name="rollout.call")),
-    # this package's adapter
-    ("sgl_rollout.integrations.verl_adapter", "SglRolloutAdapter.resume", dict(name="rollout.resume", name_of=_tags_at(1))),
-    ("sgl_rollout.integrations.verl_adapter", "SglRolloutAdapter.release", dict(name="rollout.release")),
-    ("sgl_rollout.integrations.verl_adapter", "SglRolloutAdapter.update_weights", dict(name="rollout.update_weights")),
-    ("sgl_rollout.weight_sync.sender", "BucketStream.next_payload", dict(name="rollout.bucket")),
-    # its fast path (engine_kwargs.sgl_rollout.fast_sync): writing a bucket into the buffer, and each
-    # round over the TP ranks with the engine's call in it
-    ("sgl_rollout.weight_sync.sender", "_gather", dict(name="rollout.bucket")),
-    ("sgl_rollout.weight_sync.sender", "FastPathSender._call", dict(name="rollout.call")),
-    # the engine's process: SGLang's tokenizer manager (both sides) and this package's server actor
+    # the engine's process: SGLang's tokenizer manager (both sides)
     ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.resume_memory_occupation",
      dict(name="sglang.resume", name_of=_tags_at(1))),
     ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.release_memory_occupation",
@@ -476,27 +506,21 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
      dict(name="sglang.update_weights_from_tensor")),
     ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.flush_cache",
      dict(name="sglang.flush_cache")),
-    ("sgl_rollout.ray", "RolloutServer.sleep", dict(name="server.sleep")),
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
      {"agen": "sglang.generate_request", "first_item": True, "watch": True}),
-    # timing_s/gen after SGLang's answer, per request: the server actor returning it (both sides),
+    # timing_s/gen after SGLang's answer, per request: verl's server actor returning it (this package's
+    # emits server.generate),
     # verl's client in the agent-loop worker getting it back over Ray; the driver's replay buffer
     # (verl's default trainer.use_v1) waiting for the step's samples, and each of its polls (a 2 s
     # sleep in verl 0.9.1)
     ("verl.workers.rollout.sglang_rollout.async_sglang_server", "SGLangHttpServer.generate",
      dict(name="server.generate", watch=True)),
-    ("sgl_rollout.integrations.verl_server", "VerlRolloutServer.generate",
-     dict(name="server.generate", watch=True, by_value=True)),
     ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
     # the client's round trip to verl's load balancer actor before it calls the server
     ("verl.workers.rollout.llm_server", "LLMServerClient._acquire_server", dict(name="verl.acquire_server")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.sample", dict(name="verl.replay_buffer.sample")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer._wait_for_next_poll", dict(name="verl.replay_buffer.poll")),
-    ("sgl_rollout.ray", "RolloutServer.resume_stage", dict(name="server.resume", name_of=_stage_of)),
-    ("sgl_rollout.ray", "RolloutServer.begin_weight_sync", dict(name="server.begin_weight_sync")),
-    ("sgl_rollout.ray", "RolloutServer.update_weights_from_payloads", dict(name="server.update_weights_from_payloads")),
-    ("sgl_rollout.ray", "RolloutServer.finish_weight_sync", dict(name="server.finish_weight_sync")),
 ]
 
 
@@ -520,10 +544,14 @@ def _patch(module, path: str, how: Dict[str, Any]) -> bool:
 
 
 def install() -> bool:
-    """Register the post-import hooks of :data:`TARGETS` (once per process).
+    """Start recording in this process (once): subscribe :func:`record_span` to this package's spans and
+    register the post-import hooks of :data:`TARGETS`.
 
     Returns:
         True when installed; False when :data:`ENV_DIR` is unset (nothing done).
+
+    Raises:
+        ImportError: ``wrapt`` is not installed (``pip install sgl-rollout[bench]``); nothing is installed.
     """
     global _installed
     if _installed:
@@ -541,8 +569,29 @@ def install() -> bool:
             for path, how in items:
                 _patch(module, path, how)
         wrapt.register_post_import_hook(hook, mod)
+    trace.add_listener(record_span)
     _installed = True
     return True
 
 
-install()
+def uninstall() -> None:
+    """Stop recording this package's spans in this process (the wrapped targets stay wrapped); for tests."""
+    global _installed
+    trace.remove_listener(record_span)
+    _installed = False
+
+
+def setup_hook() -> None:
+    """Ray's ``worker_process_setup_hook`` of both sides' runs (:data:`SETUP_HOOK`): :func:`install` in this worker.
+
+    Never raises: Ray drains a worker whose setup hook raises, which would fail verl's run for the sake
+    of its timing. A failure is logged at WARNING (the run then goes on untimed in this process), and
+    ``python -m sgl_rollout.bench verl`` checks ``wrapt`` before it starts (:func:`.verl_compare.preflight`).
+    """
+    try:
+        install()
+    except Exception:  # noqa: BLE001 - see above
+        import logging
+
+        logging.getLogger(__name__).warning("sgl-rollout's verl probe could not be installed in this process",
+                                            exc_info=True)

@@ -5,6 +5,8 @@ A run folder (one side of one pair, written by :mod:`.verl_compare`) holds ``met
 file logger, ``verl/utils/tracking.py``), ``spans/spans-<pid>.jsonl`` (:mod:`.verl_probe`), ``nvml.json``
 (device memory seen through NVML) and ``run.json`` (exit status, command, what differed). Any of them
 may be missing or cut short: a run that failed part-way is reported as such, with what it logged.
+A committed run folder (``examples/verl/compare/<run>/``) keeps those files in one ``raw.tar.xz`` at its
+top instead (:data:`RAW_ARCHIVE`), which :func:`write_report` reads in their place.
 
 Statistics are over the training steps after the first (the first step pays one-time costs: CUDA-graph
 warm-up, the first optimizer state, the weight manifest): the median and the 90th percentile (the
@@ -19,10 +21,12 @@ import json
 import math
 import re
 import statistics
+import tarfile
+import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ..demo.verl_task import SCORE_KEY, load_metrics, val_accuracy
+from ..workloads import SCORE_KEY, load_metrics, val_accuracy
 
 #: The two sides of a pair, in the order of the table's columns.
 SIDES = ("builtin", "ours")
@@ -983,12 +987,56 @@ def plot(comparison: dict, path: Path) -> Optional[Path]:
     return path
 
 
+#: The raw files of a committed run folder, in one archive at its top: ``pairN/<side>/`` (``metrics.jsonl``,
+#: ``run.json``, ``nvml.json``, where kept ``spans/``) and ``bench.log``, as the runner wrote them.
+RAW_ARCHIVE = "raw.tar.xz"
+
+
+def unpack_raw(archive: Path, dest: Path) -> Path:
+    """Write the regular files of ``archive`` (:data:`RAW_ARCHIVE`) under ``dest``, which it returns; a
+    member whose path is absolute or climbs out with ``..`` raises ValueError, other kinds are skipped."""
+    with tarfile.open(archive, "r:xz") as tar:
+        for member in tar.getmembers():
+            if not member.isfile():
+                continue
+            rel = Path(member.name)
+            if rel.is_absolute() or ".." in rel.parts:
+                raise ValueError(f"{archive}: {member.name!r} is not inside the run folder")
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(tar.extractfile(member).read())
+    return dest
+
+
+def _raw_dir(run_dir: Path, out_dir: Path, unpacked: Path) -> Path:
+    """Where ``run_dir``'s raw files are: the folder itself when it has ``run.json`` or ``metrics.jsonl``,
+    else its place in the unpacked :data:`RAW_ARCHIVE` when that has it."""
+    if (run_dir / "run.json").exists() or (run_dir / "metrics.jsonl").exists():
+        return run_dir
+    try:
+        packed = unpacked / Path(run_dir).relative_to(out_dir)
+    except ValueError:
+        return run_dir
+    return packed if packed.is_dir() else run_dir
+
+
 def write_report(out_dir: Path, run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
                  n_val: int = 128, orders: Optional[Dict[int, Iterable[str]]] = None) -> dict:
     """Write ``comparison.json``, ``comparison.md`` and ``comparison.png`` into ``out_dir``; returns the
-    comparison (also when runs failed or are missing: they are reported as such)."""
+    comparison (also when runs failed or are missing: they are reported as such). A run folder without
+    its raw files is read from ``out_dir``'s :data:`RAW_ARCHIVE` where there is one; ``dir`` stays the
+    run folder's path."""
     out_dir = Path(out_dir)
-    comp = compare(run_dirs, config, n_val)
+    with tempfile.TemporaryDirectory(prefix="verl-report-") as tmp:
+        read_dirs = run_dirs
+        if (out_dir / RAW_ARCHIVE).is_file():
+            unpacked = unpack_raw(out_dir / RAW_ARCHIVE, Path(tmp))
+            read_dirs = {pair: {side: _raw_dir(Path(d), out_dir, unpacked) for side, d in dirs.items()}
+                         for pair, dirs in run_dirs.items()}
+        comp = compare(read_dirs, config, n_val)
+    for entry in comp["pairs"]:
+        for side, run in entry["runs"].items():
+            run["dir"] = str(run_dirs[entry["pair"]][side])
     for entry in comp["pairs"]:
         if orders and entry["pair"] in orders:
             entry["order"] = list(orders[entry["pair"]])

@@ -240,12 +240,12 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
     import torch
     from tqdm import tqdm
 
-    from ..bench import gpu_engine_flags
     from ..config import RolloutConfig, lora_settings_from_peft
     from ..memory import MemoryTimeline
     from ..weight_sync.lora import build_adapter_payload
     from ..weight_sync.manifest import SyncValidationError
     from ..worker import RolloutWorker
+    from ..workloads import gpu_engine_flags
     from . import plots
     from .grpo import group_advantages
     from .model import ModelSetupError, load_tokenizer, resolve_model

@@ -44,6 +44,7 @@ import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 
+from .. import trace
 from ..memory import KV_CACHE, WEIGHTS
 from ..weight_sync import BucketStream
 from ..weight_sync import lora as lora_sync
@@ -315,6 +316,7 @@ class SglRolloutAdapter(BaseRollout):
         return box[0]
 
     # -------------------------------------------------------------- memory
+    @trace.traced("rollout.resume", fields=("tags",))
     async def resume(self, tags: List[str]):
         """Resume a stage of the staged wake: ``["weights"]`` or ``["kv_cache"]`` (the TP leader asks the
         engine actor; the other ranks return at once).
@@ -330,6 +332,7 @@ class SglRolloutAdapter(BaseRollout):
             if stage in tags:
                 await self.server.resume_stage.remote(stage)
 
+    @trace.traced("rollout.release")
     async def release(self):
         """Release per ``sleep_level`` (weights and KV cache at level 2)."""
         if self.rollout_config.free_cache_engine and self.is_leader_rank:
@@ -424,6 +427,7 @@ class SglRolloutAdapter(BaseRollout):
             return f"{_ERR}: TP ranks ran out of buckets at different times (bucket {bucket}: done={done})"
         return _LOAD
 
+    @trace.traced("rollout.update_weights")
     async def update_weights(self, weights, wire_format: str = "named_tensors", peft_config=None,
                              base_sync_done: bool = True, global_steps: Optional[int] = None, **kwargs):
         """Stream ``weights`` to the engine in flattened buckets (or on the fast path, :meth:`_send_fast`,

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional, Tuple
 import ray
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
+from .. import trace
 from ..config import RolloutConfig
 from ..memory import CUDA_GRAPH, KV_CACHE
 from ..ray import NodeEngineHost, RolloutServer, launch_replica, launch_rollout_server, merge_visible_devices
@@ -229,6 +230,7 @@ class VerlRolloutServer(RolloutServer):
             value = min(value, room)
         return value
 
+    @trace.traced("server.generate")
     async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None,
                        video_data=None, audio_data=None, mm_processor_kwargs=None, **kwargs) -> TokenOutput:
         """One request, as ``LLMServerClient.generate`` sends it; returns verl's ``TokenOutput``.

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Proto
 
 import torch
 
+from .. import trace
 from .bucket import ALIGN, NamedTensor, _checked_item, bucket_layout, flatten_bucket, iter_buckets
 from .ipc import serialize
 from .manifest import SyncValidationError
@@ -203,6 +204,7 @@ class BucketStream:
         """Buckets flattened and not yet released."""
         return len(self._held)
 
+    @trace.traced("rollout.bucket")
     def next_payload(self) -> Optional[bytes]:
         """Serialized payload of the next bucket, or None when all were sent.
 
@@ -398,6 +400,7 @@ class FastPathSender:
                                 "(RolloutConfig(fast_sync=True)); nothing was sent")
         self._registered = True
 
+    @trace.traced("rollout.call")
     def _call(self, headers: List[dict], buffers: List[Optional[torch.Tensor]]) -> List[dict]:
         """One ``update_weights_from_tensor`` with a request per rank; returns each rank's answer body.
 
@@ -730,6 +733,7 @@ class _SendProgram:
                             for b in range(self.n_buckets)]
 
 
+@trace.traced("rollout.bucket")
 def _gather(bucket: _BucketOps, held: Dict[str, torch.Tensor], buf: torch.Tensor,
             dsts: Callable[[List[torch.Tensor]], List[torch.Tensor]], method: str = "auto") -> None:
     """Write the pieces of ``bucket`` from the sources in ``held`` into ``buf`` by ``method``
