@@ -136,7 +136,7 @@ class RolloutConfig(BaseModel):
             ``sglang/srt/server_args.py``). Off by default here: they are captured outside
             torch-memory-saver's regions (``sglang/srt/model_executor/piecewise_cuda_graph_runner.py``), so
             sleep does not release them and their memory (about 1.15 GB per GPU for a 1.1B model at TP=2;
-            README) stays held while the trainer runs. On through verl
+            docs/benchmarks.md) stays held while the trainer runs. On through verl
             (:func:`sgl_rollout.integrations.verl_config.rollout_config_from_verl`), as in verl's built-in
             server: without them a TP=2 replica served each step slower than verl's in four runs out of
             four. SGLang ``disable_piecewise_cuda_graph`` is its inverse; ``enforce_eager`` turns them off.
@@ -146,7 +146,7 @@ class RolloutConfig(BaseModel):
             whose layout the plan does not cover go through SGLang's ``load_weights`` inside the same
             loader; without CUDA or a weight manifest the sync takes SGLang's ``flattened_bucket`` path
             (the reason logged once). On by default since the worker's GPU suite passed on it (one
-            H100, 2026-11-26; bit-exactness at TP=1 and TP=2; README "Fast-path weight sync"). The
+            H100, 2026-11-26; bit-exactness at TP=1 and TP=2; docs/fast-path.md). The
             buffer (at most one bucket per TP rank) is freed after each sync, before the KV cache comes
             back, with ``free_cache_engine``; without it, kept for the next sync. Through verl:
             ``engine_kwargs.sgl_rollout.fast_sync`` (:mod:`sgl_rollout.integrations.verl_config`).

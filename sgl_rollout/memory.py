@@ -290,7 +290,7 @@ def nvml_device_memory(device: Optional[int] = None, nvml=None) -> Tuple[int, in
 def gpu_used_bytes(gpu_ids: Sequence[int], nvml=None) -> Dict[int, int]:
     """Device memory in use on each of ``gpu_ids`` (physical ids of this host), all processes, from NVML.
 
-    A replica's report per node (:meth:`sgl_rollout.ray.RolloutServer.memory_by_node`) is made of these:
+    A replica's report per node (:meth:`sgl_rollout.server.RolloutServer.memory_by_node`) is made of these:
     ``torch.cuda.mem_get_info`` sees only this process's current device, NVML every GPU of the host.
 
     Args:

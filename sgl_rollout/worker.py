@@ -1,40 +1,31 @@
-"""The rollout worker: sleep by level, and the staged (multi-stage) wake with the weight sync.
+"""The rollout worker: one engine, its switch (:mod:`sgl_rollout.switch`) and its weight sync.
 
-Staged wake, the order ``update_weights`` runs (after SGLang's RL team's multi-stage wake-up, as
-verl's ``SGLangRollout`` does it with ``resume(tags=["weights"])`` then ``resume(tags=["kv_cache"])``):
-
-1. resume ``weights`` (only the weights come back: the KV cache is still released);
-2. stream the new weights over CUDA IPC: through the copy-plan fast path
-   (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`, a buffer per TP rank) when
-   ``config.fast_sync`` (the default), CUDA and the weight manifest allow it, else in SGLang's
-   flattened buckets; with ``free_cache_engine`` the fast path's buffer is freed here (the engine
-   closes its IPC handles first), else kept open for the next sync;
-3. call the trainer's offload callback (move optimizer state and parameters to CPU);
-4. ``aggressive_empty_cache()`` so the trainer's freed blocks go back to the driver;
-5. resume ``kv_cache`` (and ``cuda_graph``).
-
-At no point do the trainer's parameters and the engine's KV cache sit on the GPU together, which is
-what lets the KV cache take a large memory fraction without an OOM at the train-to-rollout switch.
+:meth:`RolloutWorker.update_weights` is the staged wake (:meth:`~sgl_rollout.switch.Switch.wake`) with
+the weight sync and the trainer's offload as its hooks: resume ``weights`` -> stream the new weights over
+CUDA IPC (the copy-plan fast path when ``config.fast_sync``, CUDA and the weight manifest allow it, else
+SGLang's flattened buckets; with ``free_cache_engine`` the fast path's buffer is freed right after) ->
+offload the trainer -> empty the cache -> resume the KV cache.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import ItemsView, Mapping
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
 from .config import RolloutConfig
 from .engine import Generation, RolloutEngine
-from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache, freeze_long_lived
+from .memory import WEIGHTS, MemoryTimeline, freeze_long_lived
+from .switch import Hook, Switch
 from .weight_sync import SyncStats, send_flattened_buckets
 from .weight_sync.bucket import NamedTensor
 from .weight_sync.layered import layer_index
-from .weight_sync.sender import FastPathError, FastPathSender
+from .weight_sync.fast_path import FastPathError, FastPathSender
 from .weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
+from .weight_sync.path import SyncPath
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +45,7 @@ class RolloutWorker:
             ``sync.gather`` (within it ``sync.gather.alloc``, ``.copy``, ``.serialize`` and ``.wait``),
             ``sync.call`` (split into ``sync.call.request``, ``sync.call.loader`` and
             ``sync.call.reply``) and ``sync.check`` (the sender's
-            :attr:`~sgl_rollout.weight_sync.sender.FastPathSender.timings`), and ``empty_cache.*``.
+            :attr:`~sgl_rollout.weight_sync.fast_path.FastPathSender.timings`), and ``empty_cache.*``.
     """
 
     def __init__(
@@ -66,72 +57,46 @@ class RolloutWorker:
         self.config = config
         self.engine = engine if engine is not None else RolloutEngine(config)
         self.timeline = timeline if timeline is not None else MemoryTimeline()
-        self.last_phase_seconds: Dict[str, float] = {}
-        self._manifest: Optional[WeightManifest] = None
+        self.switch = Switch(self.engine, config, self.timeline)
+        self.sync_path = SyncPath(config)
         self._fast: Optional[FastPathSender] = None
-        self._fast_off_logged = False
-        self._manifest_tried = False
         self.timeline.record("engine_ready")
         freeze_long_lived()  # torch/SGLang/transformers objects leave later full collections (memory.py)
         self._frozen_trainer = False
-        self.last_empty_cache: Dict = {}
 
-    # ----------------------------------------------------------------- helpers
-    def _phase(self, name: str, t0: float) -> float:
-        now = time.perf_counter()
-        self.last_phase_seconds[name] = now - t0
-        self.timeline.record(name)
-        return now
+    @property
+    def last_phase_seconds(self) -> Dict[str, float]:
+        """Seconds of each phase of the last sleep or wake (:attr:`Switch.last_phase_seconds`)."""
+        return self.switch.last_phase_seconds
 
-    def release_tags(self) -> List[str]:
-        """Tags ``sleep()`` releases: level 1 the KV cache (and CUDA graphs), level 2 also the weights."""
-        tags = [t for t in self.engine.tags if t != WEIGHTS]
-        if self.config.sleep_level == 2:
-            tags.insert(0, WEIGHTS)
-        return tags
+    @last_phase_seconds.setter
+    def last_phase_seconds(self, value: Dict[str, float]) -> None:
+        self.switch.last_phase_seconds = value
+
+    @property
+    def last_empty_cache(self) -> Dict:
+        """The last wake's empty-cache rounds (:attr:`Switch.last_empty_cache`)."""
+        return self.switch.last_empty_cache
 
     @property
     def manifest(self) -> Optional[WeightManifest]:
-        """The model's weight manifest (read once from ``config.model_path``), or None when
-        ``validate_sync`` is off or it cannot be read (logged once)."""
-        if not self.config.validate_sync:
-            return None
-        if not self._manifest_tried:
-            self._manifest_tried = True
-            try:
-                self._manifest = WeightManifest.from_pretrained(self.config.model_path)
-            except Exception as exc:  # noqa: BLE001 - a sync without validation beats no sync
-                logger.warning("no weight manifest for %s (%s): weight syncs are not validated",
-                               self.config.model_path, exc)
-        return self._manifest
+        """The model's weight manifest (:attr:`SyncPath.manifest <sgl_rollout.weight_sync.path.SyncPath.manifest>`:
+        read once from ``config.model_path``), or None when ``validate_sync`` is off or it cannot be read."""
+        return self.sync_path.manifest
 
     @manifest.setter
     def manifest(self, value: Optional[WeightManifest]) -> None:
-        self._manifest, self._manifest_tried = value, True
+        self.sync_path.manifest = value
 
     def _fast_sender(self) -> Optional[FastPathSender]:
-        """The fast-path sender, or None (then the flattened path) with the reason logged once:
-        ``fast_sync`` off, no CUDA, no manifest, or a TP rank's GPU not visible to this process."""
+        """The fast-path sender, or None (then the flattened path) as :class:`SyncPath` decides: ``fast_sync``
+        off, no CUDA, no manifest, or a TP rank's GPU not visible to this process."""
         if self._fast is not None:
             return self._fast
-        reason = None
-        tp = self.config.tensor_model_parallel_size
-        if not self.config.fast_sync:
-            reason = "fast_sync is off"
-        elif not torch.cuda.is_available():
-            reason = "no CUDA device"
-        elif self.manifest is None:
-            reason = "no weight manifest (validate_sync off or unreadable)"
-        else:
-            args = self.config.engine_kwargs
-            base, step = int(args.get("base_gpu_id", 0)), int(args.get("gpu_id_step", 1))
-            ids = [base + r * step for r in range(tp)]
-            if max(ids) >= torch.cuda.device_count():
-                reason = f"TP ranks' GPUs {ids} are not all visible here"
-        if reason is not None:
-            if not self._fast_off_logged:
-                self._fast_off_logged = True
-                logger.info("weight sync through SGLang's flattened buckets: %s", reason)
+        args = self.config.engine_kwargs
+        base, step = int(args.get("base_gpu_id", 0)), int(args.get("gpu_id_step", 1))
+        ids = [base + r * step for r in range(self.config.tensor_model_parallel_size)]
+        if not self.sync_path.fast(ids):
             return None
         self._fast = FastPathSender(self.engine, self.manifest, self.config.bucket_bytes,
                                     devices=[torch.device("cuda", i) for i in ids])
@@ -163,7 +128,8 @@ class RolloutWorker:
                               offload_trainer=offload_trainer, name=name)
 
     def sleep(self) -> List[str]:
-        """Release GPU memory per ``sleep_level``; nothing when ``free_cache_engine`` is False.
+        """Release GPU memory per ``sleep_level``; nothing when ``free_cache_engine`` is False
+        (:meth:`Switch.sleep <sgl_rollout.switch.Switch.sleep>`).
 
         Returns:
             the tags released.
@@ -173,27 +139,21 @@ class RolloutWorker:
             FastPathError: before a level-2 release, the engine could not close the fast path's
                 buffers (nothing was released; the engine refuses generates until a complete sync).
         """
-        self.last_phase_seconds = {}
-        self.engine.settle()
-        if not self.config.free_cache_engine:
-            return []
-        t0 = time.perf_counter()
-        tags = self.release_tags()
-        if WEIGHTS in tags:  # buffers left by a sync whose close failed (a good one freed them already)
-            t0 = self._release_sync_buffers(t0)
-        tags = self.engine.release(tags)
-        self._phase("sleep", t0)
-        return tags
+        return self.switch.sleep(before_release=self._free_sync_buffers_before)
 
-    def _release_sync_buffers(self, t0: float) -> float:
+    def _free_sync_buffers_before(self, tags: List[str]) -> Optional[str]:
+        """Before the weights are released: free buffers a sync whose close failed has left (a good
+        sync freed them already). Returns the phase name when it freed something."""
+        return "release_sync_buffers" if WEIGHTS in tags and self._release_sync_buffers() else None
+
+    def _release_sync_buffers(self) -> bool:
         """Free the fast path's buffers, if held: the engine closes its IPC handles first (op ``release``;
-        2 ms for a 2 GiB buffer on an H100), then the sender drops them. Returns the phase clock
-        (``release_sync_buffers``)."""
+        2 ms for a 2 GiB buffer on an H100), then the sender drops them. True when it freed them."""
         if self._fast is None or not self._fast.holds_buffers:
-            return t0
+            return False
         with self.engine.weight_sync():
             self._fast.release()
-        return self._phase("release_sync_buffers", t0)
+        return True
 
     def wake_up(self) -> List[str]:
         """Resume every released region without a weight sync (weights first, then KV cache).
@@ -206,25 +166,18 @@ class RolloutWorker:
         Returns:
             the tags resumed.
         """
-        resumed: List[str] = []
-        self.engine.settle()
-        t0 = time.perf_counter()
-        if WEIGHTS in self.engine.state.released:
-            if not self.config.enable_weights_cpu_backup:
-                logger.warning("waking up released weights without a sync or CPU backup: their contents are undefined")
-            resumed += self.engine.resume([WEIGHTS])
-            t0 = self._phase("resume_weights", t0)
-        rest = [t for t in (KV_CACHE, CUDA_GRAPH) if t in self.engine.state.released]
-        if rest:
-            resumed += self.engine.resume(rest)
-            self._phase("resume_kv_cache", t0)
-        return resumed
+        before = set(self.engine.state.released)
+        if WEIGHTS in before and not self.config.enable_weights_cpu_backup:
+            logger.warning("waking up released weights without a sync or CPU backup: their contents are undefined")
+        self.switch.wake(empty_cache=False)
+        return [t for t in self.engine.tags if t in before and t not in self.engine.state.released]
 
     def update_weights(
         self,
         named_tensors: Iterable[NamedTensor],
         offload_trainer: Optional[Callable[[], None]] = None,
         partial: bool = False,
+        after_sync: Sequence[Hook] = (),
     ) -> SyncStats:
         """Staged wake with a weight sync (see the module docstring for the order).
 
@@ -246,6 +199,8 @@ class RolloutWorker:
                 returns; it should move the trainer's parameters, gradients and optimizer state off
                 the GPU.
             partial: allow a sync of only some of the weights (default: every weight must come).
+            after_sync: more ``(phase name, fn)`` hooks of the staged wake, run after the sync and
+                before ``offload_trainer`` (the LoRA path loads its adapter there).
 
         Returns:
             SyncStats of the sync; per-phase seconds are in ``last_phase_seconds``.
@@ -258,18 +213,16 @@ class RolloutWorker:
                 would come back undefined). The engine keeps serving its previous weights when the
                 refusal came before the first byte.
             RuntimeError: SGLang failed to load a bucket (its weights may be partly new); on the fast
-                path :class:`~sgl_rollout.weight_sync.sender.FastPathError` (the engine lives).
+                path :class:`~sgl_rollout.weight_sync.fast_path.FastPathError` (the engine lives).
             MemoryStateError: requests run, or another operation is in progress.
         """
-        self.last_phase_seconds = {}
         if isinstance(named_tensors, Mapping):
             raise TypeError("named_tensors is a dict: pass dict.items() (or model.named_parameters())")
         self.engine.settle()  # a release/resume an interrupted caller sent is answered first
         materialised = isinstance(named_tensors, (list, tuple, ItemsView))
         items = list(named_tensors) if materialised else iter(named_tensors)
         first = (items[0] if items else None) if materialised else next(items, None)
-        weights_released = WEIGHTS in self.engine.state.released
-        if first is None and weights_released:
+        if first is None and WEIGHTS in self.engine.state.released:
             raise SyncValidationError(
                 ["empty weight sync (an empty or already consumed iterator?) while the weights are released: "
                  "they would come back with undefined contents; the engine stays asleep"])
@@ -280,50 +233,15 @@ class RolloutWorker:
         if materialised and validator is not None:
             validator.validate_all(items)  # everything refused before anything is resumed or sent
             validator = None
-        t_start = t0 = time.perf_counter()
-        if weights_released:
-            if not self.config.enable_weights_cpu_backup:
-                # undefined until a complete sync; marked before the resume, so that a caller interrupted
-                # right after it cannot leave them looking whole to a later wake_up()
-                self.engine.state.sync_sent()
-            self.engine.resume([WEIGHTS])
-            t0 = self._phase("resume_weights", t0)
-        fast = self._fast_sender()
-        group_of = layer_index if self.config.layered_summon else None
-        with self.engine.weight_sync():
-            if fast is not None:
-                stats = fast.send(items, validator=validator, partial=partial, group_of=group_of)
-            else:
-                stats = send_flattened_buckets(
-                    self.engine,
-                    items,
-                    bucket_bytes=self.config.bucket_bytes,
-                    tp_size=self.config.tensor_model_parallel_size,
-                    validator=validator,
-                    group_of=group_of,
-                )
-        t0 = self._phase("sync", t0)
-        if fast is not None:  # sync.gather / sync.call / sync.check: where the fast path's time went
-            self.last_phase_seconds.update({f"sync.{k}": v for k, v in fast.timings.items()})
-            if self.config.free_cache_engine:
-                # the engine will sleep and the trainer run: the buffer (up to one bucket per TP rank)
-                # goes now, before the KV cache comes back, not while the trainer runs
-                try:
-                    t0 = self._release_sync_buffers(t0)
-                except FastPathError as exc:  # the weights are in: keep the buffer, the sleep tries again
-                    logger.warning("fast-path buffers kept until the next sleep: %s", exc)
+        hooks = [("sync", lambda: self._send(items, validator, partial))]
+        if self.config.free_cache_engine and self._fast_sender() is not None:
+            # the engine will sleep and the trainer run: the buffer (up to one bucket per TP rank) goes
+            # now, before the KV cache comes back, not while the trainer runs
+            hooks.append(("release_sync_buffers", self._release_sync_buffers_kept_on_error))
+        hooks += list(after_sync)
         if offload_trainer is not None:
-            offload_trainer()
-            t0 = self._phase("offload_trainer", t0)
-        ec = aggressive_empty_cache()
-        t0 = self._phase("empty_cache", t0)
-        self.last_phase_seconds.update(ec.phase_seconds())  # empty_cache.gc / .empty_cache / .synchronize ...
-        self.last_empty_cache = ec.to_dict()
-        rest = [t for t in (KV_CACHE, CUDA_GRAPH) if t in self.engine.state.released]
-        if rest:
-            self.engine.resume(rest)
-            self._phase("resume_kv_cache", t0)
-        self.last_phase_seconds["switch_total"] = time.perf_counter() - t_start
+            hooks.append(("offload_trainer", offload_trainer))
+        stats = self.switch.wake(hooks, weights_undefined=True)["sync"]
         if not self._frozen_trainer:  # the trainer's model and optimizer exist now: freeze them too, once
             freeze_long_lived()
             self._frozen_trainer = True
@@ -332,6 +250,28 @@ class RolloutWorker:
             stats.n_tensors, stats.n_buckets, stats.bytes / 1e6, stats.seconds * 1e3, stats.gb_per_s,
         )
         return stats
+
+    def _send(self, items, validator, partial: bool) -> SyncStats:
+        """The sync hook of :meth:`update_weights`: every bucket inside the engine's sync fence, on the
+        fast path (its timings land in ``last_phase_seconds`` as ``sync.*``) or SGLang's flattened one."""
+        fast = self._fast_sender()
+        group_of = layer_index if self.config.layered_summon else None
+        with self.engine.weight_sync():
+            if fast is not None:
+                stats = fast.send(items, validator=validator, partial=partial, group_of=group_of)
+            else:
+                stats = send_flattened_buckets(self.engine, items, bucket_bytes=self.config.bucket_bytes,
+                                               tp_size=self.config.tensor_model_parallel_size,
+                                               validator=validator, group_of=group_of)
+        if fast is not None:  # sync.gather / sync.call / sync.check: where the fast path's time went
+            self.last_phase_seconds.update({f"sync.{k}": v for k, v in fast.timings.items()})
+        return stats
+
+    def _release_sync_buffers_kept_on_error(self) -> None:
+        try:
+            self._release_sync_buffers()
+        except FastPathError as exc:  # the weights are in: keep the buffer, the sleep tries again
+            logger.warning("fast-path buffers kept until the next sleep: %s", exc)
 
     def restart(self) -> None:
         """Start a fresh engine after a death (:class:`~sgl_rollout.engine.EngineDeadError`); all tags

@@ -24,12 +24,12 @@ def _plain_request_objects():
     them, in whichever process (a Ray actor's too) builds the double."""
     import types
 
-    import sgl_rollout.engine.guarded as engine_mod
+    import sgl_rollout.engine.io_struct as engine_mod
 
     try:
         import sglang.srt.managers.io_struct  # noqa: F401
     except Exception:  # noqa: BLE001
-        engine_mod._req = lambda name, **fields: types.SimpleNamespace(**fields)
+        engine_mod.make = lambda name, **fields: types.SimpleNamespace(**fields)
 
 
 class FakeTokenizerManager:

@@ -331,9 +331,9 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
 
     from sgl_rollout import trace
     from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
-    from sgl_rollout.ray import RolloutServer
+    from sgl_rollout.server import RolloutServer
 
-    from sgl_rollout.weight_sync import sender as sender_mod
+    from sgl_rollout.weight_sync import fast_path as sender_mod
 
     monkeypatch.setattr(verl_probe, "TARGETS", [])  # verl's, SGLang's and torch's targets: other tests
     package_fns = lambda: [RolloutServer.resume_stage, SglRolloutAdapter.resume, sender_mod._gather,  # noqa: E731
@@ -347,13 +347,18 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
     sender.send(iter(weights))
 
     class Engine:
+        tags = ("weights", "kv_cache", "cuda_graph")
+
         class state:
             released = ["weights", "kv_cache", "cuda_graph"]
 
         async def async_resume(self, tags):
             return list(tags)
 
-    server = types.SimpleNamespace(_engine=Engine(), layout=None)
+    from sgl_rollout.switch import Switch
+
+    engine = Engine()
+    server = types.SimpleNamespace(_engine=engine, switch=Switch(engine, config=None), layout=None)
     assert asyncio.run(RolloutServer.resume_stage(server, "kv_cache")) == ["kv_cache", "cuda_graph"]
     with pytest.raises(ValueError, match="unknown stage"):
         asyncio.run(RolloutServer.resume_stage(server, "optimizer"))
@@ -409,7 +414,7 @@ _IN_RAY = textwrap.dedent("""
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, runtime_env=runtime_env)
 
     def work():
-        from sgl_rollout.ray import RolloutServer
+        from sgl_rollout.server import RolloutServer
         class Engine:
             async def async_begin_sync(self):
                 pass

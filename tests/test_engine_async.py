@@ -15,9 +15,9 @@ def test_async_guards_and_calls(monkeypatch):
     # objects only carry fields here.
     import types
 
-    import sgl_rollout.engine.guarded as engine_mod
+    import sgl_rollout.engine.io_struct as engine_mod
 
-    monkeypatch.setattr(engine_mod, "_req", lambda name, **fields: types.SimpleNamespace(**fields))
+    monkeypatch.setattr(engine_mod, "make", lambda name, **fields: types.SimpleNamespace(**fields))
     eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine)
     fake = eng._engine
 

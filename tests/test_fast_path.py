@@ -26,7 +26,7 @@ from sgl_rollout.config import FAST_SYNC_LOADER
 from sgl_rollout.weight_sync import plan as plan_mod
 from sgl_rollout.weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 from sgl_rollout.weight_sync.plan import Chunk, layout
-from sgl_rollout.weight_sync.sender import FastPathError, FastPathSender
+from sgl_rollout.weight_sync.fast_path import FastPathError, FastPathSender
 
 H, INTER, HEADS, KV, HD, VOCAB, LAYERS = 32, 48, 4, 2, 8, 50, 2
 

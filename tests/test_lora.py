@@ -291,9 +291,10 @@ def test_engine_loads_replaces_and_serves_an_adapter(model):
         assert fake.calls[-1] == ("unload_lora", first.sglang_name)
         engine.generate([[1]], {"max_new_tokens": 1}, lora_path="policy", n=2)
         assert fake.last_lora_path == [second.sglang_name] * 2
-        # named tensors are built here (rank and targets checked against the engine's settings)
+        # a payload built from named tensors (rank and targets checked against the engine's settings)
         with engine.weight_sync():
-            third = engine.load_lora_adapter_from_tensors("other", list(sd.items()), cfg)
+            third = engine.load_lora_adapter_from_tensors(
+                "other", lora.build_adapter_payload(list(sd.items()), cfg, engine_config=engine.config))
         assert third.version == 1 and set(engine.lora_adapters) == {"policy", "other"}
         with engine.weight_sync():
             engine.unload_lora_adapter("other")
@@ -336,7 +337,10 @@ def test_adapter_refused_asleep_in_flight_or_malformed_never_reaches_the_engine(
             with pytest.raises(SyncValidationError, match="q_proj.lora_A"):  # manifest: the base's shapes
                 engine.load_lora_adapter_from_tensors("policy", lora.build_adapter_payload(bad, cfg, manifest=manifest))
             with pytest.raises(SyncValidationError, match="rank 8"):  # no manifest: rank still checked
-                engine.load_lora_adapter_from_tensors("policy", {**sd, list(sd)[0]: torch.zeros(8, 32)}, cfg)
+                engine.load_lora_adapter_from_tensors("policy", lora.build_adapter_payload(
+                    {**sd, list(sd)[0]: torch.zeros(8, 32)}, cfg, engine_config=engine.config))
+            with pytest.raises(TypeError, match="AdapterPayload"):  # named tensors are the builder's job
+                engine.load_lora_adapter_from_tensors("policy", list(sd.items()), cfg)
             with pytest.raises(SyncValidationError, match="exceeds the engine's lora_rank=8"):
                 engine.load_lora_adapter_from_tensors("policy", payload.data, {**payload.config, "r": 16})
             with pytest.raises(ValueError, match="adapter name"):

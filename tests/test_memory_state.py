@@ -183,7 +183,7 @@ def test_fast_path_buffer_freed_before_the_kv_cache_when_the_engine_sleeps(cfg, 
 
 
 def test_fast_path_buffer_that_cannot_be_closed_after_a_sync_is_kept_and_the_sleep_tries_again(caplog):
-    from sgl_rollout.weight_sync.sender import FastPathError
+    from sgl_rollout.weight_sync.fast_path import FastPathError
 
     w, fake = make_worker()
     w._fast = sender = RecordingFastSender(fake)

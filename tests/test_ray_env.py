@@ -8,7 +8,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from sgl_rollout.config import RolloutConfig  # noqa: E402
-from sgl_rollout.ray import RolloutServer, launch_rollout_server, merge_visible_devices, rollout_env_vars  # noqa: E402
+from sgl_rollout.server import RolloutServer, launch_rollout_server, merge_visible_devices, rollout_env_vars  # noqa: E402
 
 
 @pytest.fixture(scope="module")

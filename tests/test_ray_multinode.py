@@ -1,4 +1,4 @@
-"""A replica over two Ray nodes (``sgl_rollout.ray.launch_replica``), on the CPU with engine doubles.
+"""A replica over two Ray nodes (``sgl_rollout.server.launch_replica``), on the CPU with engine doubles.
 
 Two raylets of ``ray.cluster_utils.Cluster`` stand for two nodes. The leader (``RolloutServer``, node
 rank 0) hosts the engine double of ``fakes.py``; the other node's ``NodeEngineHost`` hosts
@@ -22,19 +22,19 @@ import fakes  # noqa: E402
 from sgl_rollout.config import RolloutConfig  # noqa: E402
 from sgl_rollout.engine import EngineDeadError  # noqa: E402
 from sgl_rollout.engine.layout import plan_replicas  # noqa: E402
-from sgl_rollout.ray import NodeEngineHost, RolloutServer, launch_replica  # noqa: E402
+from sgl_rollout.server import NodeEngineHost, RolloutServer, launch_replica  # noqa: E402
 
 
 class FakeLeader(RolloutServer):
     engine_factory = fakes.FakeSGLangEngine
 
     async def engine_args(self):
-        return dict(self.worker.engine._engine.server_args)
+        return dict(self.engine._engine.server_args)
 
     async def block_generates(self):
         import threading
 
-        self.worker.engine._engine.block = threading.Event()
+        self.engine._engine.block = threading.Event()
 
     async def node_id(self):
         return ray.get_runtime_context().get_node_id()
@@ -109,7 +109,7 @@ def test_a_replica_over_two_nodes_starts_serves_dies_restarts_and_stops(two_node
     out = ray.get(leader.generate_batch.remote([[5]], {"max_new_tokens": 2}), timeout=30)
     assert out[0][0].output_ids == [6, 7]
 
-    leader_pids = ray.get(leader.__ray_call__.remote(lambda self: self.worker.engine._child_pids))
+    leader_pids = ray.get(leader.__ray_call__.remote(lambda self: self.engine._child_pids))
     ray.get(leader.shutdown.remote(), timeout=60)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(fakes.process_alive(p) for p in leader_pids + [pid2]):

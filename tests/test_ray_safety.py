@@ -1,6 +1,6 @@
 """Under Ray, a dead engine is an error for the caller, not a hang and not a dead actor.
 
-The server actor (``sgl_rollout.ray.RolloutServer``) hosts the engine double of ``fakes.py``, whose
+The server actor (``sgl_rollout.server.RolloutServer``) hosts the engine double of ``fakes.py``, whose
 "scheduler" is a real child process. Killing it, as ``kill -9`` would the real scheduler, must make the
 generate in flight and every later call fail with ``EngineDeadError``; SIGQUIT (what SGLang's dying
 processes send the host) must not end the actor; ``restart()`` must bring serving back.
@@ -18,17 +18,17 @@ ray = pytest.importorskip("ray")
 import fakes  # noqa: E402
 from sgl_rollout.config import RolloutConfig  # noqa: E402
 from sgl_rollout.engine import EngineDeadError  # noqa: E402
-from sgl_rollout.ray import RolloutServer  # noqa: E402
+from sgl_rollout.server import RolloutServer  # noqa: E402
 
 
 class FakeServer(RolloutServer):
     engine_factory = fakes.FakeSGLangEngine
 
     async def scheduler_pid(self):
-        return self.worker.engine._engine.scheduler.pid
+        return self.engine._engine.scheduler.pid
 
     async def block_generates(self):
-        self.worker.engine._engine.block = threading.Event()
+        self.engine._engine.block = threading.Event()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_dead_engine_under_ray_raises_and_restart_recovers(cluster):
     ray.get(server.start.remote())
     assert ray.get(server.__ray_call__.remote(lambda self: self.sigquit_handled)) is True
     # the engine runs SGLang on the actor's own loop (Ray runs it off the main thread), not on a thread of its own
-    assert ray.get(server.__ray_call__.remote(lambda self: self.worker.engine._loop_thread is None)) is True
+    assert ray.get(server.__ray_call__.remote(lambda self: self.engine._loop_thread is None)) is True
     pid = ray.get(server.__ray_call__.remote(lambda self: os.getpid()))
     os.kill(pid, signal.SIGQUIT)  # what SGLang's dying scheduler sends: the actor must survive it
     out = ray.get(server.generate_batch.remote([[1, 2]], {"max_new_tokens": 1}), timeout=30)

@@ -20,7 +20,7 @@ from fakes import FakeSGLangEngine
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.engine import EngineClosedError, EngineDeadError, RolloutEngine
 from sgl_rollout.memory import MemoryStateError
-from sgl_rollout.ray import RolloutServer
+from sgl_rollout.server import RolloutServer
 from sgl_rollout.weight_sync.manifest import SyncValidationError, WeightManifest
 from sgl_rollout.worker import RolloutWorker
 
@@ -194,7 +194,7 @@ def test_concurrent_sleeps_and_generates_in_the_async_actor():
 
     async def scenario():
         await server.start()
-        fake = server.worker.engine._engine
+        fake = server.engine._engine
         fake.answer_delay_s = 0.1
         sleeps = await asyncio.gather(server.sleep(), server.sleep(), return_exceptions=True)
         fake.answer_delay_s = 0.1
@@ -543,7 +543,7 @@ def test_sync_interrupted_right_after_the_weights_resume_leaves_them_marked_unde
 def test_sigint_held_off_goes_to_the_handler_that_was_set():
     """The hold-off hands a held SIGINT to whatever handler was set (a trainer's own, say) once the block
     ends, and to none while it runs; an ignored SIGINT stays ignored."""
-    from sgl_rollout.engine.guarded import _sigint_deferred
+    from sgl_rollout.engine.core import sigint_deferred as _sigint_deferred
 
     got = []
 

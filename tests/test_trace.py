@@ -201,12 +201,12 @@ def test_the_package_emits_its_spans_where_the_probe_expects_them():
     """The methods the benchmark's probe reads are marked with the span names its report knows."""
     from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
     from sgl_rollout.integrations.verl_server import VerlRolloutServer
-    from sgl_rollout.ray import RolloutServer
-    from sgl_rollout.weight_sync import sender
+    from sgl_rollout.server import RolloutServer
+    from sgl_rollout.weight_sync import fast_path, flattened_bucket
 
     marked = {
-        sender.BucketStream.next_payload: "rollout.bucket", sender._gather: "rollout.bucket",
-        sender.FastPathSender._call: "rollout.call", RolloutServer.sleep: "server.sleep",
+        flattened_bucket.BucketStream.next_payload: "rollout.bucket", fast_path._gather: "rollout.bucket",
+        fast_path.FastPathSender._call: "rollout.call", RolloutServer.sleep: "server.sleep",
         RolloutServer.resume_stage: "server.resume", RolloutServer.begin_weight_sync: "server.begin_weight_sync",
         RolloutServer.update_weights_from_payloads: "server.update_weights_from_payloads",
         RolloutServer.finish_weight_sync: "server.finish_weight_sync",

@@ -46,7 +46,7 @@ class FakeServer(VerlRolloutServer):
     async def start(self):
         _sglang_cpu.ensure_sglang_importable()
         # request objects without SGLang's serving stack
-        sys.modules["sgl_rollout.engine.guarded"]._req = lambda name, **fields: types.SimpleNamespace(**fields)
+        sys.modules["sgl_rollout.engine.io_struct"].make = lambda name, **fields: types.SimpleNamespace(**fields)
         tags = await super().start()
         self._engine._engine.on_update = self._record
         return tags

@@ -18,7 +18,8 @@ from fakes import ThreadGroup
 from sgl_rollout.config import FAST_SYNC_LOADER
 from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter, _FastPathRound, _PeerLeft
 from sgl_rollout.weight_sync.manifest import SyncValidationError
-from sgl_rollout.weight_sync.sender import FastPathError, FastPathSender
+from sgl_rollout.weight_sync.path import SyncPath
+from sgl_rollout.weight_sync.fast_path import FastPathError, FastPathSender
 from test_fast_path import SGLangLikeEngine, SGLangShaped, assert_same_params, hf_weights, manifest_of, reference
 
 
@@ -76,8 +77,10 @@ def rank_adapters(server, group, tp_size, manifest, bucket_bytes):
     out = []
     for r in range(tp_size):
         a = object.__new__(SglRolloutAdapter)
-        a.tp_rank, a.tp_size, a._tp_group, a._server, a._manifest, a._fp8 = r, tp_size, None, server, manifest, False
+        a.tp_rank, a.tp_size, a._tp_group, a._server, a._fp8 = r, tp_size, None, server, False
         a.base_syncs, a.rollout_config, a._executor = 0, config, None
+        a._sync_path = SyncPath(config, "/none")
+        a._sync_path.manifest = manifest
         a._all_gather = (lambda rank: lambda item: group.all_gather(rank, item))(r)
         a._broadcast = (lambda rank: lambda item: group.all_gather(rank, item)[0])(r)
         rnd = _FastPathRound(a)
@@ -178,12 +181,20 @@ def test_a_refused_begin_fails_every_rank_and_sends_nothing():
 def test_without_cuda_the_flattened_path_is_taken_and_the_reason_logged_once(caplog):
     if torch.cuda.is_available():
         pytest.skip("checks the choice on a machine without CUDA")
-    a = object.__new__(SglRolloutAdapter)
-    a.tp_rank, a.tp_size, a._tp_group, a._fast, a._fast_off_logged = 0, 1, None, None, False
-    a.rollout_config = SimpleNamespace(fast_sync=False)
-    assert a._fast_sender() is None and not caplog.records  # off: nothing to say
-    a.rollout_config = SimpleNamespace(fast_sync=True)
+    from sgl_rollout.weight_sync.path import SyncPath
+
+    def adapter(fast_sync):
+        a = object.__new__(SglRolloutAdapter)
+        a.tp_rank, a.tp_size, a._tp_group, a._fast = 0, 1, None, None
+        a.rollout_config = SimpleNamespace(fast_sync=fast_sync, validate_sync=True, model_path="/none")
+        a._sync_path = SyncPath(a.rollout_config)
+        return a
+
     with caplog.at_level("WARNING"):
+        assert adapter(False)._fast_sender() is None and not caplog.records  # off: nothing to warn about
+        a = adapter(True)
         assert a._fast_sender() is None and a._fast_sender() is None
     assert [r.getMessage() for r in caplog.records] == [
-        "fast_sync is on but weight syncs go through flattened buckets: no CUDA device in this trainer worker"]
+        "weight syncs go through SGLang's flattened buckets: no CUDA device in this process"]
+
+

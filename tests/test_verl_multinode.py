@@ -30,7 +30,7 @@ class LeaderServer(VerlRolloutServer):
 
     async def start(self, *args, **kwargs):
         _sglang_cpu.ensure_sglang_importable()
-        sys.modules["sgl_rollout.engine.guarded"]._req = lambda name, **fields: types.SimpleNamespace(**fields)
+        sys.modules["sgl_rollout.engine.io_struct"].make = lambda name, **fields: types.SimpleNamespace(**fields)
         return await super().start(*args, **kwargs)
 
     async def engine_args(self):

@@ -43,9 +43,13 @@ class Engine:
 
 def adapter(engine, bucket_bytes):
     a = object.__new__(SglRolloutAdapter)
-    a.tp_rank, a.tp_size, a._tp_group, a._server, a._manifest, a._fp8 = 0, 1, None, engine, None, False
+    from sgl_rollout.weight_sync.path import SyncPath
+
+    a.tp_rank, a.tp_size, a._tp_group, a._server, a._fp8 = 0, 1, None, engine, False
     a.base_syncs = 0
     a.rollout_config = SimpleNamespace(bucket_bytes=bucket_bytes, layered_summon=False, validate_sync=True)
+    a._sync_path = SyncPath(a.rollout_config, "/none")
+    a._sync_path.manifest = None
     return a
 
 

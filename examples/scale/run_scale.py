@@ -4,7 +4,7 @@ Per GPU, one Ray trainer worker holds a dim-0 shard of every tensor of a Qwen2-s
 bf16 weights (an FSDP-like sharded state dict, no download), plus bf16 grads and fp32 AdamW moments while
 it "trains". Workers start in shuffled order with staggered loads. One TP=N engine (this package,
 ``load_format="dummy"``, ``gpu_memory_utilization`` = ``--mem-fraction``) runs through
-:mod:`sgl_rollout.ray`. For each step: generate a batch, sleep, train, wake with a weight sync from all
+:mod:`sgl_rollout.server`. For each step: generate a batch, sleep, train, wake with a weight sync from all
 workers (each all-gathers full tensors bucket by bucket and sends its TP rank's payload), generate again.
 
 ``--mode staged``: resume weights, sync, trainers offload to CPU, empty cache, resume KV cache.
@@ -200,7 +200,7 @@ def run(args) -> dict:
         return ray.get(refs, timeout=timeout)
 
     from sgl_rollout.config import RolloutConfig
-    from sgl_rollout.ray import RolloutServer, launch_rollout_server, merge_visible_devices, sync_weights_from_workers
+    from sgl_rollout.server import RolloutServer, launch_rollout_server, merge_visible_devices, sync_weights_from_workers
 
     n = args.gpus
     model_dir = model_config_dir(os.path.join(args.workdir, f"qwen2-32b-shape-{args.layers}l"), args.layers)

@@ -11,7 +11,7 @@ thread of its own (as Ray runs an async actor's loop), against an engine double 
 * ``sglang``: the double's coroutine awaited directly on the loop, as verl's ``SGLangHttpServer`` awaits
   SGLang's tokenizer manager (the floor);
 * ``caller-loop``: :class:`RolloutEngine` with ``loop=`` the caller's loop (what
-  :class:`sgl_rollout.ray.RolloutServer` uses);
+  :class:`sgl_rollout.server.RolloutServer` uses);
 * ``engine-thread``: :class:`RolloutEngine` on its own thread's loop (``SGL_ROLLOUT_ENGINE_LOOP=thread``).
 
 Per round it records ``in_s`` (seconds from the first call to the last request reaching the double) and

@@ -9,7 +9,7 @@ What is computed, per model and GPU count (GB = 1e9 bytes, bf16 weights):
   replicas = GPUs // TP, nodes per replica = TP / GPUs per node (more than one: a multi-node replica);
 * bytes per GPU: the resident shard (``bytes / TP``) and what one sync moves through each GPU: every TP
   rank's trainer worker gathers *full* tensors bucket by bucket and hands its rank a flattened bucket of
-  them over CUDA IPC (``weight_sync/sender.py``); SGLang's loader on that rank keeps its shard. So the full
+  them over CUDA IPC (``weight_sync/flattened_bucket.py``); SGLang's loader on that rank keeps its shard. So the full
   model passes through every GPU, whatever the TP size;
 * the leader's payload list: per bucket, one payload per TP rank goes through the replica's leader
   (SGLang's ``update_weights_from_tensor`` with ``flattened_bucket``): the pickled metadata of the bucket's

@@ -1,18 +1,24 @@
-"""The guarded SGLang engine, in three parts:
+"""The guarded SGLang engine, in parts:
 
 * :mod:`.lifecycle`: the engine's processes and the host around them (the environment they are spawned
   with, death, SIGQUIT, shutdown of only the engine's own children);
-* :mod:`.guarded`: :class:`RolloutEngine`, every call into SGLang checked before it reaches the
-  scheduler, one body per call;
+* :mod:`.core`: the started engine, the event loop its calls run on, death and restart;
+* :mod:`.generate`, :mod:`.memory_calls`, :mod:`.weight_calls`, :mod:`.lora_calls`: the calls into
+  SGLang, each checked before it reaches the scheduler and written once for blocking and async callers;
+* :mod:`.rollout_engine`: :class:`RolloutEngine`, the parts put together;
+* :mod:`.io_struct`: SGLang's request objects;
 * :mod:`.layout`: which TP ranks, GPUs and ports each node of a replica gets (:class:`ReplicaLayout`),
   for replicas that span nodes.
 """
 
-from .guarded import Generation, LoraAdapter, RolloutEngine, engine_tags
+from ..memory import MemoryStateError
+from .core import engine_tags
+from .generate import Generation
 from .layout import NodeSlot, ReplicaLayout, plan_replicas
 from .lifecycle import (EngineClosedError, EngineDeadError, engine_env_updates, install_sigquit_handler,
                         patched_environ, strip_expandable_segments)
-from ..memory import MemoryStateError
+from .lora_calls import LoraAdapter
+from .rollout_engine import RolloutEngine
 
 __all__ = [
     "EngineClosedError",

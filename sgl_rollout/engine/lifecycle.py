@@ -14,7 +14,7 @@ works (each learnt from its source):
 
 Containment: any exception in SGLang's scheduler, or its death, makes SGLang SIGQUIT the host process
 and kill it (the trainer). :func:`install_sigquit_handler` replaces that handling; the engine's watchdog
-(:class:`~.guarded.RolloutEngine`) finds the dead process (:func:`dead_pids`) and turns the death into
+(:class:`~.rollout_engine.RolloutEngine`) finds the dead process (:func:`dead_pids`) and turns the death into
 :class:`EngineDeadError`.
 
 Shutdown: ``sglang.Engine.shutdown()`` kills *every* child process of the host
@@ -253,8 +253,8 @@ class EngineProcesses:
     ``watch_interval_s`` seconds and, when one has exited, calls ``on_death(reason)`` once and stops
     watching; a SIGQUIT makes it look at once.
 
-    Used for every node of a replica: the leader's :class:`~.guarded.RolloutEngine` and the
-    scheduler-only engine processes of the other nodes (:class:`sgl_rollout.ray.NodeEngineHost`).
+    Used for every node of a replica: the leader's :class:`~.rollout_engine.RolloutEngine` and the
+    scheduler-only engine processes of the other nodes (:class:`sgl_rollout.server.NodeEngineHost`).
 
     Attributes:
         engine: what ``factory`` returned (``sglang.Engine``; on a node other than 0 it has no tokenizer

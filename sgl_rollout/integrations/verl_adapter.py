@@ -32,23 +32,21 @@ by-value ``flattened_bucket`` payload from the TP leader, replacing the previous
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import os
-import threading
 from collections.abc import Mapping
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional
 
 import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
 
 from .. import trace
-from ..memory import KV_CACHE, WEIGHTS
-from ..weight_sync import BucketStream
+from ..switch import stages_of
 from ..weight_sync import lora as lora_sync
-from ..weight_sync.sender import FastPathSender
+from ..weight_sync.fast_path import FastPathSender
+from ..weight_sync.path import SyncPath
 from .verl_config import (
     MODEL_PREFIX,
     ROLLOUT_PREFIX,
@@ -60,108 +58,13 @@ from .verl_config import (
     rollout_config_for_verl,
 )
 from .verl_server import server_name
+from .verl_weight_sync import _ERR, VerlWeightSync, _aclose, _FastPathRound, _is_error, _PeerLeft  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SglRolloutAdapter"]
 
-_UNSET = object()
-_ERR = "__sgl_rollout_error__"
-_DONE, _LOAD = "done", "load"
-#: First element of a TP rank's item in a fast-path round when that rank has ended the sync.
-_LEFT = "__sgl_rollout_left__"
-
-
-class _PeerLeft(RuntimeError):
-    """Another TP rank ended the fast-path weight sync (it failed); raised from the round that heard it."""
-
-
-class _FastPathRound:
-    """The engine as one trainer worker's :class:`~sgl_rollout.weight_sync.sender.FastPathSender` sees
-    it under verl, where each TP rank's worker owns its own rank's buffer: one round over the replica's
-    TP group per call.
-
-    :meth:`update_weights_from_tensor` all-gathers every worker's payloads; the leader hands them to
-    the engine actor's ``update_weights_from_payloads(fast_path=True)`` and broadcasts the outcome, so
-    every worker returns (or raises) once the engine has answered for every rank. :meth:`share` is the
-    sender's all-gather. :meth:`close` is the round every worker ends a sync with. A worker that fails
-    between rounds (its generator, the manifest check) goes straight to it, with its error; workers
-    still in a sync round meet that closing item there, raise :class:`_PeerLeft` and end without a
-    closing round of their own, so no worker waits for a round the others never enter. With TP size 1
-    every round is local.
-
-    Args:
-        adapter: the worker's :class:`SglRolloutAdapter` (its TP group and engine actor).
-    """
-
-    def __init__(self, adapter: "SglRolloutAdapter"):
-        self.adapter = adapter
-        self.config = adapter.rollout_config  # the sender checks the engine registers its loader
-
-    def _round(self, item) -> List[Any]:
-        got = self.adapter._all_gather((None, item))
-        left = [f"TP rank {r}: {why}" for r, (mark, why) in enumerate(got) if mark == _LEFT]
-        if left:
-            raise _PeerLeft("the weight sync ended on another TP rank: " + "; ".join(left))
-        return [x for _, x in got]
-
-    def share(self, obj) -> List[Any]:
-        """Every worker's ``obj``, in TP rank order.
-
-        Raises:
-            _PeerLeft: another worker has ended the sync.
-        """
-        return self._round(obj)
-
-    def update_weights_from_tensor(self, payloads: list, load_format: Optional[str] = None, flush_cache: bool = False):
-        """Load this round's payloads of every TP rank (``payloads``: this worker's); ``(True, "Success")``.
-
-        Raises:
-            _PeerLeft: another worker has ended the sync (nothing was loaded).
-            RuntimeError: the engine actor refused or failed the call (every worker raises it).
-        """
-        everyone = [p for part in self._round(list(payloads)) for p in part]
-        error = None
-        if self.adapter.is_leader_rank:
-            try:
-                ray.get(self.adapter.server.update_weights_from_payloads.remote(everyone, fast_path=True))
-            except Exception as exc:  # noqa: BLE001 - every TP rank must hear of it
-                error = f"{type(exc).__name__}: {exc}"
-        error = self.adapter._broadcast(error)
-        if error:
-            raise RuntimeError(f"the engine failed a fast-path weight sync call: {error}")
-        return True, "Success"
-
-    def flush_cache(self) -> None:
-        """Nothing: ``finish_weight_sync`` flushes the prefix cache."""
-
-    def close(self, error: Optional[BaseException]) -> List[str]:
-        """The closing round of a sync: every worker's error (``"TP rank r: ..."``), empty when all succeeded."""
-        why = f"{type(error).__name__}: {error}" if error is not None else ""
-        got = self.adapter._all_gather((_LEFT, why))
-        return [f"TP rank {r}: {w}" for r, (_, w) in enumerate(got) if w]
-
-
-class _AsyncToSyncIterator:
-    """A sync iterator over an async iterator that runs on ``loop``; used from another thread only."""
-
-    def __init__(self, aiterator, loop: asyncio.AbstractEventLoop, loop_thread: threading.Thread):
-        self._it, self._loop, self._loop_thread = aiterator, loop, loop_thread
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if threading.current_thread() is self._loop_thread:
-            raise RuntimeError("_AsyncToSyncIterator used on its own event loop's thread (would deadlock)")
-
-        async def step():
-            return await self._it.__anext__()
-
-        try:
-            return asyncio.run_coroutine_threadsafe(step(), self._loop).result()
-        except StopAsyncIteration:
-            raise StopIteration from None
+_DONE = "done"
 
 
 async def _renamed_async(weights):
@@ -179,21 +82,12 @@ async def _checked_fp8(helper, quantized):
         yield name, tensor
 
 
-async def _aclose(named) -> None:
-    """Close a (possibly half-consumed) async generator; never raises."""
-    if hasattr(named, "aclose"):
-        try:
-            await named.aclose()
-        except Exception:  # noqa: BLE001 - closing must not mask the sync's own outcome
-            logger.debug("closing the weights generator failed", exc_info=True)
-
-
 def _renamed_sync(weights):
     for name, tensor in weights:
         yield name.replace(".base_layer.", "."), tensor
 
 
-class SglRolloutAdapter(BaseRollout):
+class SglRolloutAdapter(VerlWeightSync, BaseRollout):
     """verl ``BaseRollout`` living in each trainer (or checkpoint-engine) worker; talks to the replica's
     engine actor.
 
@@ -237,11 +131,12 @@ class SglRolloutAdapter(BaseRollout):
         else:
             self.tp_rank = rank % self.tp_size
         self._fp8 = _get(self.config, "quantization", None) == "fp8"
-        self._manifest = _UNSET
+        self._sync_path = SyncPath(self.rollout_config, model_path_of(self.model_config),
+                                   trust_remote_code=bool(_get(self.model_config, "trust_remote_code", False)),
+                                   no_manifest="FP8-quantized on the way" if self._fp8 else None)
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._server = None
         self._fast: Optional[FastPathSender] = None
-        self._fast_off_logged = False
         #: weight syncs of this rank: full (base) syncs sent, base syncs verl offered and the rule
         #: skipped, adapter syncs
         self.base_syncs = self.base_syncs_skipped = self.adapter_syncs = 0
@@ -328,9 +223,8 @@ class SglRolloutAdapter(BaseRollout):
         """
         if not self.rollout_config.free_cache_engine or not self.is_leader_rank:
             return
-        for stage in (WEIGHTS, KV_CACHE):
-            if stage in tags:
-                await self.server.resume_stage.remote(stage)
+        for stage in stages_of(tags):  # sgl_rollout.switch: which stages these tags are, in wake order
+            await self.server.resume_stage.remote(stage)
 
     @trace.traced("rollout.release")
     async def release(self):
@@ -339,24 +233,6 @@ class SglRolloutAdapter(BaseRollout):
             await self.server.sleep.remote()
 
     # -------------------------------------------------------------- weight sync
-    def _sync_manifest(self):
-        """The model's :class:`~sgl_rollout.weight_sync.manifest.WeightManifest`, built once; None when
-        validation is off, the weights are FP8-quantized on the way (their names and dtypes differ from
-        the checkpoint's), or it cannot be built (logged once)."""
-        if self._manifest is _UNSET:
-            self._manifest = None
-            if self._fp8 or not self.rollout_config.validate_sync:
-                return None
-            path = model_path_of(self.model_config)
-            try:
-                from ..weight_sync.manifest import WeightManifest
-
-                self._manifest = WeightManifest.from_pretrained(
-                    path, trust_remote_code=bool(_get(self.model_config, "trust_remote_code", False)))
-            except Exception as exc:  # noqa: BLE001 - a sync without validation beats no sync
-                logger.warning("no weight manifest for %s (%r): weight syncs are not validated", path, exc)
-        return self._manifest
-
     def _named_tensors(self, weights):
         """``weights`` with LoRA ``.base_layer.`` names folded, FP8-quantized when configured; a sync
         or an async iterator as ``weights`` (and the quantizer) make it."""
@@ -371,61 +247,6 @@ class SglRolloutAdapter(BaseRollout):
             helper = SGLangFP8QuantizerHelper(fp8_quant_config(hf_config))
             weights = _checked_fp8(helper, helper.quant_weights_by_name(weights, dtype=dtype))
         return weights
-
-    def _bucket_executor(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            device = torch.cuda.current_device() if torch.cuda.is_available() else None
-
-            def init():
-                if device is not None:
-                    torch.cuda.set_device(device)
-
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="sgl-rollout-buckets", initializer=init)
-        return self._executor
-
-    def _payload_source(self, named) -> Tuple[BucketStream, Any]:
-        """A BucketStream over ``named`` and an async ``next_payload()`` for it.
-
-        A sync iterator is bucketed on this thread (verl's generators may run collectives that must stay
-        on it). An async one is bucketed on a helper thread that pulls each item from this event loop,
-        so the stream may read ahead as far as it needs (the manifest check reads to the end on a bad
-        tensor) while the loop keeps running the generator.
-        """
-        from ..weight_sync.layered import layer_index
-
-        kwargs = dict(manifest=self._sync_manifest(), partial=False, max_held=2,
-                      group_of=layer_index if self.rollout_config.layered_summon else None)
-        if not hasattr(named, "__aiter__"):
-            stream = BucketStream(named, self.rollout_config.bucket_bytes, **kwargs)
-
-            async def next_sync():
-                return stream.next_payload()
-
-            return stream, next_sync
-        loop = asyncio.get_running_loop()
-        stream = BucketStream(_AsyncToSyncIterator(named, loop, threading.current_thread()),
-                              self.rollout_config.bucket_bytes, **kwargs)
-        executor = self._bucket_executor()
-
-        async def next_async():
-            return await loop.run_in_executor(executor, stream.next_payload)
-
-        return stream, next_async
-
-    def _decide(self, payloads: List[Any], bucket: int, engine_errors: Sequence[str] = ()) -> str:
-        """What every TP rank does after a round: stop (``_ERR: why``), end (``_DONE``) or load."""
-        if engine_errors:
-            return f"{_ERR}: " + "; ".join(engine_errors)
-        errors = [f"TP rank {r}: {p[1]}" for r, p in enumerate(payloads) if isinstance(p, tuple) and p[:1] == (_ERR,)]
-        if errors:
-            return f"{_ERR}: bucket {bucket} failed on " + "; ".join(errors)
-        done = [p is None for p in payloads]
-        if all(done):
-            return _DONE
-        if any(done):
-            return f"{_ERR}: TP ranks ran out of buckets at different times (bucket {bucket}: done={done})"
-        return _LOAD
 
     @trace.traced("rollout.update_weights")
     async def update_weights(self, weights, wire_format: str = "named_tensors", peft_config=None,
@@ -492,153 +313,6 @@ class SglRolloutAdapter(BaseRollout):
         else:
             await self._send_buckets(self._named_tensors(weights), global_steps)
 
-    def _fast_sender(self) -> Optional[FastPathSender]:
-        """This worker's fast-path sender (made on the first weight sync), or None: the flattened buckets.
-
-        None when ``engine_kwargs.sgl_rollout.fast_sync`` is off, and (logged once) without CUDA or
-        without the model's weight manifest (``validate_sync`` off, FP8, or unreadable), or when another
-        TP rank of the replica lacks one of those (all TP ranks take the same path).
-        """
-        if self._fast is not None or not self.rollout_config.fast_sync:
-            return self._fast
-        reason = ""
-        if not torch.cuda.is_available():
-            reason = "no CUDA device in this trainer worker"
-        elif self._sync_manifest() is None:
-            reason = "no weight manifest (validate_sync off, FP8, or unreadable): the copy plan is made from it"
-        reasons = [r for r in self._all_gather(reason) if r]
-        if reasons:
-            if not self._fast_off_logged:
-                self._fast_off_logged = True
-                logger.warning("fast_sync is on but weight syncs go through flattened buckets: %s", reasons[0])
-            return None
-        rnd = _FastPathRound(self)
-        self._fast = FastPathSender(rnd, self._sync_manifest(), self.rollout_config.bucket_bytes,
-                                    devices=[torch.device("cuda", torch.cuda.current_device())],
-                                    tp_size=self.tp_size, tp_ranks=[self.tp_rank],
-                                    share=rnd.share if self.tp_size > 1 else None)
-        return self._fast
-
-    async def _send_fast(self, sender: FastPathSender, named, global_steps: Optional[int]) -> None:
-        """One weight sync on the fast path (``engine_kwargs.sgl_rollout.fast_sync``).
-
-        Each TP rank's worker writes its own rank's shard of each bucket of the copy plan
-        (:mod:`sgl_rollout.weight_sync.receiver`) into its buffer on its GPU, and the engine scatters
-        every rank's buffer into its parameters in one call per bucket (:class:`_FastPathRound`). After
-        the last bucket the engine closes the buffers' IPC handles and the workers free them, so no
-        trainer memory is held while the trainer runs. A failure anywhere raises on every TP rank and
-        ends the sync with ``finish_weight_sync(ok=False)``; the sender then asks for the copy plan
-        again at the next sync (the engine may have restarted).
-        """
-        from ..weight_sync.manifest import SyncValidator
-
-        began = False
-        error: Optional[BaseException] = None
-        try:
-            if self.is_leader_rank:
-                await self.server.begin_weight_sync.remote()
-                began = True
-            validator = SyncValidator(self._sync_manifest())
-            if hasattr(named, "__aiter__"):  # items are pulled from this loop by a helper thread
-                loop = asyncio.get_running_loop()
-                items = _AsyncToSyncIterator(named, loop, threading.current_thread())
-                await loop.run_in_executor(self._bucket_executor(), _fast_send, sender, items, validator)
-            else:  # verl's sync generators may run collectives that must stay on this thread
-                _fast_send(sender, named, validator)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the closing round
-            error = exc
-        peers = [] if isinstance(error, _PeerLeft) else sender.engine.close(error)
-        if error is None and peers:
-            error = RuntimeError("the weight sync failed on " + "; ".join(peers))
-        ok = error is None
-        if not ok:
-            sender.reset(new_key=False)
-        else:
-            self.base_syncs += 1
-        await self._end_sync(named, began, ok, global_steps)
-        if error is not None:
-            raise error
-
-    async def _end_sync(self, named, began: bool, ok: bool, global_steps: Optional[int]) -> None:
-        """Close verl's weights generator; the leader then ends the engine's sync (``finish_weight_sync``)
-        if it began one. A failing ``finish_weight_sync`` is raised after a good sync and logged after a
-        failed one (whose own error is the one to raise)."""
-        await _aclose(named)
-        if self.is_leader_rank and began:
-            try:
-                await self.server.finish_weight_sync.remote(ok=ok, global_steps=global_steps if ok else None)
-            except Exception:
-                if ok:
-                    raise
-                logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
-
-    def _submit(self, method: str, *args):
-        """Start a call of the engine actor's ``method`` now; an awaitable of its answer, which raises
-        what the call raised, or what starting it raised (the actor not found, say), so the leader
-        still takes part in the round that reports it."""
-        try:
-            return getattr(self.server, method).remote(*args)
-        except Exception as exc:  # noqa: BLE001 - raised where the answer is awaited
-            failed = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            return failed
-
-    async def _send_buckets(self, named, global_steps: Optional[int]) -> None:
-        """One bucketed weight sync, pipelined: every TP rank flattens bucket k+1 while the engine loads
-        bucket k.
-
-        Each round, every rank flattens its next bucket (or finds none, or fails), the leader then waits
-        for the engine's step in flight (``begin_weight_sync`` in the first round, bucket k-1's load
-        after), and one all-gather gives every rank every rank's payload and the leader's answer. Every
-        rank then drops all but its newest buffer (the engine is done with them), and all decide the
-        same: stop on any failure, end when no rank has a bucket, else the leader starts the load of the
-        round's payloads. So a rank holds at most two buckets, and no buffer is freed before the engine
-        load that reads it has answered; on any exit the leader waits for a load in flight before the
-        buffers go.
-        """
-        leader = self.is_leader_rank
-        stream, next_payload = self._payload_source(named)
-        pending, step = (self._submit("begin_weight_sync"), "begin a weight sync") if leader else (None, "")
-        began = ok = False
-        try:
-            bucket = 0
-            while True:
-                local_exc: Optional[BaseException] = None
-                try:
-                    payload = await next_payload()
-                except Exception as exc:  # noqa: BLE001 - reported to every TP rank, re-raised below
-                    local_exc, payload = exc, (_ERR, f"{type(exc).__name__}: {exc}")
-                engine_exc, engine_error = None, None
-                if pending is not None:
-                    try:
-                        await pending
-                        began = True
-                    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
-                        engine_exc, engine_error = exc, f"the engine refused to {step}: {exc}"
-                    pending = None
-                rounds = self._all_gather((payload, engine_error))
-                stream.release(keep_newest=True)
-                payloads = [p for p, _ in rounds]
-                status = self._decide(payloads, bucket, [e for _, e in rounds if e])
-                if status.startswith(_ERR):
-                    raise local_exc or engine_exc or RuntimeError(status[len(_ERR) + 2:])
-                if status == _DONE:
-                    break
-                if leader:
-                    pending, step = self._submit("update_weights_from_payloads", payloads), f"load bucket {bucket}"
-                bucket += 1
-            ok = True
-            self.base_syncs += 1
-        finally:
-            if pending is not None:  # left with a load in flight: its buffers stay until it answered
-                try:
-                    await pending
-                    began = True
-                except Exception:  # noqa: BLE001 - the sync has failed already; this is its cleanup
-                    logger.exception("the engine failed to %s while the weight sync was failing", step)
-            stream.release()
-            await self._end_sync(named, began, ok, global_steps)
-
     async def _base_needed(self) -> bool:
         """The engine actor's answer to the base-resend rule, the same on every TP rank."""
         need, exc = None, None
@@ -671,7 +345,7 @@ class SglRolloutAdapter(BaseRollout):
         statuses = self._gather(status)
         engine_exc = None
         if leader:
-            errors = [f"TP rank {r}: {p[1]}" for r, p in enumerate(statuses) if isinstance(p, tuple) and p[:1] == (_ERR,)]
+            errors = [f"TP rank {r}: {p[1]}" for r, p in enumerate(statuses) if _is_error(p)]
             if errors:
                 status = f"{_ERR}: the adapter sync failed on " + "; ".join(errors)
             else:
@@ -690,12 +364,6 @@ class SglRolloutAdapter(BaseRollout):
         self.adapter_syncs += 1
         if leader and global_steps is not None:
             await self.server.set_global_steps.remote(global_steps)
-
-
-def _fast_send(sender: FastPathSender, items, validator) -> None:
-    """One fast-path sync of ``items`` by ``sender``, then the buffers freed (the engine closes its handles)."""
-    sender.send(items, validator=validator)
-    sender.release()
 
 
 async def _collect(weights) -> list:

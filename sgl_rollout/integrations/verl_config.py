@@ -234,6 +234,95 @@ def with_fp8_override(engine_kwargs: dict, hf_config) -> dict:
     return out
 
 
+def _base_rollout_kwargs(cfg, model_path: str) -> dict:
+    """The :class:`RolloutConfig` keywords read straight from verl's rollout config (before
+    ``engine_kwargs`` override them)."""
+    return dict(
+        model_path=model_path,
+        dtype=_get(cfg, "dtype", "bfloat16"),
+        gpu_memory_utilization=float(_get(cfg, "gpu_memory_utilization", 0.5)),
+        free_cache_engine=bool(_get(cfg, "free_cache_engine", True)),
+        enforce_eager=bool(_get(cfg, "enforce_eager", False)),
+        max_num_seqs=_get(cfg, "max_num_seqs", None),
+        load_format=_get(cfg, "load_format", "dummy") or "auto",
+        layered_summon=bool(_get(cfg, "layered_summon", False)),
+        piecewise_cuda_graph=True,
+    )
+
+
+def _map_sglang_kwargs(engine_kwargs: dict, kwargs: dict, prefix: str) -> List[str]:
+    """Move the ``engine_kwargs.sglang`` keys that map onto rollout fields from ``engine_kwargs`` into
+    ``kwargs`` (both changed in place); return one line per key refused (layout, fixed, managed, or a
+    non-boolean negated flag)."""
+    bad: List[str] = []
+    for key in list(engine_kwargs):
+        if key in ENGINE_KWARG_OVERRIDES:
+            kwargs[ENGINE_KWARG_OVERRIDES[key]] = engine_kwargs.pop(key)  # verl: engine_kwargs win
+        elif key in ENGINE_KWARG_NEGATED:
+            try:
+                kwargs[ENGINE_KWARG_NEGATED[key]] = not TypeAdapter(bool).validate_python(engine_kwargs.pop(key))
+            except ValidationError:
+                bad.append(f"{prefix}.engine_kwargs.sglang.{key}: not a boolean")
+        elif key in ENGINE_KWARG_LAYOUT_KEYS:
+            bad.append(f"{prefix}.engine_kwargs.sglang.{key}={engine_kwargs[key]!r}: decides the replica's GPU "
+                       f"layout; set {ENGINE_KWARG_LAYOUT_KEYS[key]} instead")
+        elif key in ENGINE_KWARG_FIXED:
+            if engine_kwargs.pop(key) != ENGINE_KWARG_FIXED[key]:
+                bad.append(f"{prefix}.engine_kwargs.sglang.{key}: sgl-rollout always sets it to "
+                           f"{ENGINE_KWARG_FIXED[key]} ({MANAGED_SERVER_ARGS.get(key, '')}); remove the key")
+        elif key in MANAGED_SERVER_ARGS:
+            bad.append(f"{prefix}.engine_kwargs.sglang.{key}: {MANAGED_SERVER_ARGS[key]}; remove the key")
+    return bad
+
+
+def _map_sgl_rollout_kwargs(cfg, kwargs: dict, prefix: str) -> List[str]:
+    """Set ``kwargs["fast_sync"]`` from ``engine_kwargs.sgl_rollout.fast_sync`` when given; return the
+    refusal line of a non-boolean value (empty list otherwise)."""
+    bad: List[str] = []
+    ours = _get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {}
+    if "fast_sync" in ours:
+        try:
+            kwargs["fast_sync"] = TypeAdapter(bool).validate_python(ours["fast_sync"])
+        except ValidationError:
+            bad.append(f"{prefix}.engine_kwargs.sgl_rollout.fast_sync={ours['fast_sync']!r}: not a boolean")
+    return bad
+
+
+def _layout_engine_kwargs(cfg, engine_kwargs: dict, kwargs: dict, model_config, hf_config) -> dict:
+    """Set the TP size in ``kwargs`` (``tensor_model_parallel_size * data_parallel_size``) and return
+    ``engine_kwargs`` with SGLang's ``dp_size``/``ep_size``, FP8 quantization, ``trust_remote_code`` and
+    ``skip_tokenizer_init`` as verl's server sets them."""
+    tp = int(_get(cfg, "tensor_model_parallel_size", 1) or 1)
+    dp = int(_get(cfg, "data_parallel_size", 1) or 1)
+    ep = int(_get(cfg, "expert_parallel_size", 1) or 1)
+    kwargs["tensor_model_parallel_size"] = tp * dp
+    if dp > 1:
+        engine_kwargs["dp_size"] = dp
+    if ep > 1:
+        engine_kwargs["ep_size"] = ep
+    if _get(cfg, "quantization", None) == "fp8":
+        engine_kwargs["quantization"] = "fp8"
+        if hf_config is not None:
+            engine_kwargs = with_fp8_override(engine_kwargs, hf_config)
+    if model_config is not None and _get(model_config, "trust_remote_code", False):
+        engine_kwargs.setdefault("trust_remote_code", True)
+    engine_kwargs.setdefault("skip_tokenizer_init", bool(_get(cfg, "skip_tokenizer_init", True)))
+    return engine_kwargs
+
+
+def _apply_replica_mode(cfg, kwargs: dict, rollout_mode: Optional[str]) -> None:
+    """Set in ``kwargs`` what the replica's mode implies (standalone: ``sleep_level=1``; colocated: a CPU
+    copy of the weights) and the bucket size of ``checkpoint_engine.update_weights_bucket_megabytes``."""
+    if rollout_mode == "standalone":
+        kwargs["sleep_level"] = 1
+    elif rollout_mode == "colocated":
+        kwargs.setdefault("enable_weights_cpu_backup", True)
+    ce = _get(cfg, "checkpoint_engine", None)
+    bucket_mb = _get(ce, "update_weights_bucket_megabytes", None)
+    if bucket_mb:
+        kwargs["update_weights_bucket_megabytes"] = int(bucket_mb)
+
+
 def rollout_config_from_verl(cfg, model_path: str, model_config=None, hf_config=None,
                              rollout_mode: Optional[str] = None, prefix: str = ROLLOUT_PREFIX) -> RolloutConfig:
     """Map verl's rollout config (``verl/workers/config/rollout.py``) to :class:`RolloutConfig`.
@@ -262,66 +351,13 @@ def rollout_config_from_verl(cfg, model_path: str, model_config=None, hf_config=
     """
     check_verl_features(cfg, model_config, prefix)
     engine_kwargs = dict(_get(_get(cfg, "engine_kwargs", None) or {}, "sglang", None) or {})
-    kwargs: dict = dict(
-        model_path=model_path,
-        dtype=_get(cfg, "dtype", "bfloat16"),
-        gpu_memory_utilization=float(_get(cfg, "gpu_memory_utilization", 0.5)),
-        free_cache_engine=bool(_get(cfg, "free_cache_engine", True)),
-        enforce_eager=bool(_get(cfg, "enforce_eager", False)),
-        max_num_seqs=_get(cfg, "max_num_seqs", None),
-        load_format=_get(cfg, "load_format", "dummy") or "auto",
-        layered_summon=bool(_get(cfg, "layered_summon", False)),
-        piecewise_cuda_graph=True,
-    )
-    bad = []
-    for key in list(engine_kwargs):
-        if key in ENGINE_KWARG_OVERRIDES:
-            kwargs[ENGINE_KWARG_OVERRIDES[key]] = engine_kwargs.pop(key)  # verl: engine_kwargs win
-        elif key in ENGINE_KWARG_NEGATED:
-            try:
-                kwargs[ENGINE_KWARG_NEGATED[key]] = not TypeAdapter(bool).validate_python(engine_kwargs.pop(key))
-            except ValidationError:
-                bad.append(f"{prefix}.engine_kwargs.sglang.{key}: not a boolean")
-        elif key in ENGINE_KWARG_LAYOUT_KEYS:
-            bad.append(f"{prefix}.engine_kwargs.sglang.{key}={engine_kwargs[key]!r}: decides the replica's GPU "
-                       f"layout; set {ENGINE_KWARG_LAYOUT_KEYS[key]} instead")
-        elif key in ENGINE_KWARG_FIXED:
-            if engine_kwargs.pop(key) != ENGINE_KWARG_FIXED[key]:
-                bad.append(f"{prefix}.engine_kwargs.sglang.{key}: sgl-rollout always sets it to "
-                           f"{ENGINE_KWARG_FIXED[key]} ({MANAGED_SERVER_ARGS.get(key, '')}); remove the key")
-        elif key in MANAGED_SERVER_ARGS:
-            bad.append(f"{prefix}.engine_kwargs.sglang.{key}: {MANAGED_SERVER_ARGS[key]}; remove the key")
-    ours = _get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {}
-    if "fast_sync" in ours:
-        try:
-            kwargs["fast_sync"] = TypeAdapter(bool).validate_python(ours["fast_sync"])
-        except ValidationError:
-            bad.append(f"{prefix}.engine_kwargs.sgl_rollout.fast_sync={ours['fast_sync']!r}: not a boolean")
+    kwargs = _base_rollout_kwargs(cfg, model_path)
+    bad = _map_sglang_kwargs(engine_kwargs, kwargs, prefix)
+    bad += _map_sgl_rollout_kwargs(cfg, kwargs, prefix)
     if bad:
         raise UnsupportedVerlFeature("sgl-rollout (rollout.name=sglang) does not take:\n  " + "\n  ".join(bad))
-    tp = int(_get(cfg, "tensor_model_parallel_size", 1) or 1)
-    dp = int(_get(cfg, "data_parallel_size", 1) or 1)
-    ep = int(_get(cfg, "expert_parallel_size", 1) or 1)
-    kwargs["tensor_model_parallel_size"] = tp * dp
-    if dp > 1:
-        engine_kwargs["dp_size"] = dp
-    if ep > 1:
-        engine_kwargs["ep_size"] = ep
-    if _get(cfg, "quantization", None) == "fp8":
-        engine_kwargs["quantization"] = "fp8"
-        if hf_config is not None:
-            engine_kwargs = with_fp8_override(engine_kwargs, hf_config)
-    if model_config is not None and _get(model_config, "trust_remote_code", False):
-        engine_kwargs.setdefault("trust_remote_code", True)
-    engine_kwargs.setdefault("skip_tokenizer_init", bool(_get(cfg, "skip_tokenizer_init", True)))
-    if rollout_mode == "standalone":
-        kwargs["sleep_level"] = 1
-    elif rollout_mode == "colocated":
-        kwargs.setdefault("enable_weights_cpu_backup", True)
-    ce = _get(cfg, "checkpoint_engine", None)
-    bucket_mb = _get(ce, "update_weights_bucket_megabytes", None)
-    if bucket_mb:
-        kwargs["update_weights_bucket_megabytes"] = int(bucket_mb)
+    engine_kwargs = _layout_engine_kwargs(cfg, engine_kwargs, kwargs, model_config, hf_config)
+    _apply_replica_mode(cfg, kwargs, rollout_mode)
     kwargs["engine_kwargs"] = engine_kwargs
     return RolloutConfig(**kwargs)
 

@@ -4,9 +4,9 @@ Interfaces implemented (verl 0.9.1, read from its source):
 
 * :class:`SglRolloutReplica` is verl's ``RolloutReplica`` (``verl/workers/rollout/replica.py``): its
   ``launch_servers`` starts one :class:`VerlRolloutServer` actor per replica on the node of its
-  workers, with :mod:`sgl_rollout.ray`'s ``runtime_env`` (and a :class:`VerlNodeHost` on each other node
+  workers, with :mod:`sgl_rollout.server`'s ``runtime_env`` (and a :class:`VerlNodeHost` on each other node
   of a replica over several nodes).
-* :class:`VerlRolloutServer` adds to :class:`sgl_rollout.ray.RolloutServer` what verl's replica,
+* :class:`VerlRolloutServer` adds to :class:`sgl_rollout.server.RolloutServer` what verl's replica,
   ``LLMServerClient`` (``verl/workers/rollout/llm_server.py``) and ``CheckpointEngineManager`` call:
   ``generate`` returning ``TokenOutput``, ``abort_all_requests``, ``resume_generation``,
   ``clear_kv_cache``, ``release_kv_cache``, ``resume_kv_cache``, ``start_profile``, ``stop_profile``,
@@ -50,8 +50,8 @@ from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
 from .. import trace
 from ..config import RolloutConfig
-from ..memory import CUDA_GRAPH, KV_CACHE
-from ..ray import NodeEngineHost, RolloutServer, launch_replica, launch_rollout_server, merge_visible_devices
+from ..memory import KV_CACHE
+from ..server import NodeEngineHost, RolloutServer, launch_replica, launch_rollout_server, merge_visible_devices
 from ..weight_sync import lora as lora_sync
 from .verl_config import (
     ROLLOUT_PREFIX,
@@ -182,7 +182,7 @@ class VerlRolloutServer(RolloutServer):
         Raises:
             ValueError: ``max_model_len`` exceeds the model's ``max_position_embeddings``.
         """
-        if self.worker is None:
+        if self.engine is None:
             self._resolve_model()
         return await super().start(layout, node_hosts)
 
@@ -410,9 +410,8 @@ class VerlRolloutServer(RolloutServer):
         ``free_cache_engine`` is False (verl's server does the same)."""
         if not self.config.free_cache_engine:
             return []
-        released = set(self._engine.state.released)
-        tags = [t for t in (KV_CACHE, CUDA_GRAPH) if t in self._engine.tags and t not in released]
-        return await self._engine.async_release(tags) if tags else []
+        self._engine  # noqa: B018 - raises when the engine has not started
+        return await self.switch.async_release_stage(KV_CACHE)
 
     async def resume_kv_cache(self) -> List[str]:
         """Resume the KV cache (and CUDA-graph memory) if released."""
@@ -434,7 +433,7 @@ class VerlRolloutServer(RolloutServer):
 
 # ======================================================================= replica
 class VerlNodeHost(NodeEngineHost):
-    """:class:`~sgl_rollout.ray.NodeEngineHost` that also answers the calls verl's replica makes on every
+    """:class:`~sgl_rollout.server.NodeEngineHost` that also answers the calls verl's replica makes on every
     server of a replica (``wake_up``, ``sleep``, ``abort_all_requests``, ...), each a no-op: the
     leader's SGLang call reaches every node's schedulers, as verl's own ``SGLangHttpServer`` does on a
     node rank other than 0 (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``)."""

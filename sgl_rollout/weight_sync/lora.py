@@ -42,7 +42,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..config import ALL_LINEAR_MODULES, SGLANG_LORA_TARGET_MODULES
+from ..config import ALL_LINEAR_MODULES
+from ..lora_adapter import AdapterPayload, adapter_config_dict, check_adapter_config, stacked_modules as _stacked
 from .bucket import NamedTensor, _checked_item, flatten_bucket, tensor_nbytes
 from .manifest import SyncValidationError, WeightManifest
 
@@ -57,20 +58,6 @@ _LORA_NAME = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.(?P<adapter>[^.
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 #: Decoder-layer modules an adapter may target here, as Hugging Face checkpoints name them.
 ADAPTER_MODULES = ALL_LINEAR_MODULES + ("qkv_proj", "gate_up_proj")
-#: PEFT options that change what an adapter computes in ways SGLang 0.5.10 does not reproduce:
-#: key -> why a value other than None/False/empty (``bias``: ``"none"``) is refused.
-_UNSUPPORTED = {
-    "use_rslora": "SGLang scales by lora_alpha / r, rsLoRA by lora_alpha / sqrt(r)",
-    "use_dora": "SGLang has no DoRA magnitude vectors",
-    "rank_pattern": "SGLang serves one rank per adapter",
-    "alpha_pattern": "SGLang serves one lora_alpha per adapter",
-    "modules_to_save": "fully trained modules are not LoRA weights; SGLang would not load them",
-    "bias": "SGLang loads no LoRA biases",
-    "lora_bias": "SGLang loads no LoRA biases",
-    "target_parameters": "LoRA on bare parameters (MoE experts) is not served",
-    "trainable_token_indices": "trainable tokens change the embeddings, which SGLang would not load",
-    "layer_replication": "replicated layers are not in the served model",
-}
 
 
 # ======================================================================= the rule
@@ -144,100 +131,6 @@ class BaseWeightsMissing(RuntimeError):
     given: loading an adapter now would serve it over garbage. Nothing was sent."""
 
 
-# ======================================================================= adapter config
-def adapter_config_dict(peft_config, modules: Optional[Iterable[str]] = None) -> Dict[str, Any]:
-    """The adapter's PEFT config as SGLang's ``LoRAConfig.from_dict`` takes it.
-
-    Args:
-        peft_config: a ``peft.LoraConfig`` or its ``to_dict()`` (verl passes either).
-        modules: the module names the adapter's tensors target; when given they replace a string
-            ``target_modules`` (``"all-linear"``), so SGLang sees exactly what arrives.
-
-    Returns:
-        a JSON-plain dict: enums as their values (``peft_type="LORA"``), sets as sorted lists.
-
-    Raises:
-        TypeError: neither a mapping nor an object with ``to_dict()``.
-    """
-    if isinstance(peft_config, Mapping):
-        d = dict(peft_config)
-    elif hasattr(peft_config, "to_dict"):
-        d = dict(peft_config.to_dict())
-    else:
-        raise TypeError(f"peft_config must be a dict or a peft.LoraConfig, got {type(peft_config).__name__}")
-    out: Dict[str, Any] = {}
-    for k, v in d.items():
-        v = getattr(v, "value", v)  # PeftType / TaskType enums
-        if isinstance(v, (set, frozenset)):
-            v = sorted(v)
-        out[k] = v
-    out.setdefault("peft_type", "LORA")
-    if modules is not None and (isinstance(out.get("target_modules"), str) or out.get("target_modules") is None):
-        out["target_modules"] = sorted(set(modules))
-    return out
-
-
-def check_adapter_config(config: Mapping[str, Any], engine_config=None) -> List[str]:
-    """Problems with serving an adapter of this (normalized) PEFT config; empty when none.
-
-    Args:
-        config: from :func:`adapter_config_dict`.
-        engine_config: the engine's :class:`~sgl_rollout.config.RolloutConfig`; checks LoRA is on, the
-            rank against ``lora_rank`` (SGLang's ``max_lora_rank``) and the target modules against
-            ``lora_target_modules``.
-    """
-    problems: List[str] = []
-    peft_type = str(config.get("peft_type", "LORA"))
-    if peft_type.upper() != "LORA":
-        problems.append(f"peft_type={peft_type!r}: only LORA adapters are served")
-    r = config.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        problems.append(f"r={r!r}: the rank must be an int >= 1")
-        r = None
-    alpha = config.get("lora_alpha")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        problems.append(f"lora_alpha={alpha!r}: must be a number > 0")
-    for key, why in _UNSUPPORTED.items():
-        value = config.get(key)
-        bad = value not in (None, "none") if key == "bias" else value not in (None, False, {}, [], ())
-        if bad:
-            problems.append(f"{key}={value!r}: {why}")
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        if targets not in ("all-linear", "all"):
-            problems.append(f"target_modules={targets!r}: SGLang takes a list of module names, 'all-linear' or 'all'")
-        names: List[str] = list(ALL_LINEAR_MODULES)
-    elif targets:
-        names = [t.split(".")[-1] for t in targets]
-        odd = sorted({t for t in names if t not in SGLANG_LORA_TARGET_MODULES})
-        if odd:
-            problems.append(f"target_modules {odd} are not served by SGLang ({list(SGLANG_LORA_TARGET_MODULES)})")
-    else:
-        problems.append("target_modules is empty")
-        names = []
-    if engine_config is not None:
-        if not engine_config.lora_enabled:
-            problems.append("the engine was started without LoRA (lora_rank=0 in the rollout config)")
-        else:
-            if r is not None and r > engine_config.lora_rank:
-                problems.append(f"r={r} exceeds the engine's lora_rank={engine_config.lora_rank} (SGLang's "
-                                "max_lora_rank, fixed at start-up)")
-            served = engine_config.server_lora_target_modules()
-            if served != ["all"]:
-                extra = sorted(set(_stacked(names)) - set(_stacked(served)))
-                if extra:
-                    problems.append(f"target modules {extra} are not among the engine's lora_target_modules "
-                                    f"{engine_config.lora_target_modules!r} (fixed at start-up)")
-    return problems
-
-
-def _stacked(names: Iterable[str]) -> List[str]:
-    """SGLang's normalized (stacked) module names: q/k/v -> qkv_proj, gate/up -> gate_up_proj."""
-    m = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
-         "up_proj": "gate_up_proj"}
-    return [m.get(n, n) for n in names]
-
-
 # ======================================================================= names
 def parse_adapter_name(name: str) -> Tuple[str, str, str]:
     """``(peft name, module path, "A" or "B")`` of one adapter weight.
@@ -260,6 +153,125 @@ def parse_adapter_name(name: str) -> Tuple[str, str, str]:
 
 
 # ======================================================================= validation
+def _adapter_scope(config: Mapping[str, Any], engine_config) -> Tuple[Optional[set], Optional[set]]:
+    """``(declared, served)``: the module kinds the config's ``target_modules`` list (None when it is a
+    string or empty) and the stacked module kinds the engine serves adapters on (None when any)."""
+    targets = config.get("target_modules")
+    declared = None if isinstance(targets, str) or not targets else {t.split(".")[-1] for t in targets}
+    served = None
+    if engine_config is not None and engine_config.lora_enabled and engine_config.server_lora_target_modules() != ["all"]:
+        served = set(_stacked(engine_config.server_lora_target_modules()))
+    return declared, served
+
+
+def _tensor_problems(name: str, module: str, tensor: torch.Tensor, declared: Optional[set],
+                     served: Optional[set], engine_config) -> Tuple[List[str], bool]:
+    """Problems of one adapter weight on its own (module served, declared and served by the engine;
+    floating dtype; 2-D), and whether it goes on to the per-module checks."""
+    problems: List[str] = []
+    kind = module.split(".")[-1]
+    if _LAYER.search(module + ".") is None or kind not in ADAPTER_MODULES:
+        problems.append(f"{name}: adapters on {kind!r} are not served (decoder-layer modules {list(ADAPTER_MODULES)})")
+        return problems, False
+    if declared is not None and kind not in declared:
+        problems.append(f"{name}: {kind!r} is not in the config's target_modules {sorted(declared)}")
+    if served is not None and _stacked([kind])[0] not in served:
+        problems.append(f"{name}: the engine serves no adapter on {kind!r} (its lora_target_modules: "
+                        f"{engine_config.lora_target_modules!r}; SGLang's scheduler would fail on it)")
+    if not tensor.is_floating_point():
+        problems.append(f"{name}: dtype {tensor.dtype} is not floating point")
+    if tensor.dim() != 2:
+        problems.append(f"{name}: shape {tuple(tensor.shape)} is not 2-D")
+        return problems, False
+    return problems, True
+
+
+def _collect_adapter_tensors(items: Iterable[NamedTensor], declared: Optional[set], served: Optional[set],
+                             engine_config, problems: List[str]
+                             ) -> Tuple[List[NamedTensor], Dict[str, str], Dict[str, Dict[str, torch.Tensor]]]:
+    """Read ``items`` to the end, appending each item's problems to ``problems``; return
+    ``(out, seen, modules)``: the usable ``(peft name, tensor)`` pairs, every peft name seen (-> the name
+    given) and each module's ``{"A"/"B": tensor}``."""
+    out: List[NamedTensor] = []
+    seen: Dict[str, str] = {}
+    modules: Dict[str, Dict[str, torch.Tensor]] = {}
+    for item in items:
+        try:
+            name, tensor = _checked_item(item)
+            peft_name, module, ab = parse_adapter_name(name)
+        except ValueError as exc:
+            problems.append(str(exc))
+            continue
+        if peft_name in seen:
+            problems.append(f"{name}: the same weight as {seen[peft_name]}")
+            continue
+        seen[peft_name] = name
+        found, usable = _tensor_problems(name, module, tensor, declared, served, engine_config)
+        problems.extend(found)
+        if usable:
+            modules.setdefault(module, {})[ab] = tensor
+            out.append((peft_name, tensor))
+    return out, seen, modules
+
+
+def _base_shape_problems(module: str, a: Optional[torch.Tensor], b: Optional[torch.Tensor], r: Optional[int],
+                         manifest: WeightManifest) -> List[str]:
+    """Problems of a module's ``A``/``B`` shapes against its base weight's ``(out, in)`` in ``manifest``."""
+    base = f"{module}.weight"
+    if base not in manifest:
+        return [f"{module}: the base model has no weight {base}"]
+    shape = manifest[base].shape
+    if len(shape) != 2:
+        return [f"{module}: base weight {base} has shape {shape}, not a linear layer's"]
+    problems: List[str] = []
+    out_dim, in_dim = shape
+    if a is not None and a.shape[1] != in_dim:
+        problems.append(f"{module}.lora_A: shape {tuple(a.shape)}, expected ({r or a.shape[0]}, {in_dim}) "
+                        f"(base {base} is {shape})")
+    if b is not None and b.shape[0] != out_dim:
+        problems.append(f"{module}.lora_B: shape {tuple(b.shape)}, expected ({out_dim}, {r or b.shape[1]}) "
+                        f"(base {base} is {shape})")
+    return problems
+
+
+def _module_problems(module: str, ab: Dict[str, torch.Tensor], r: Optional[int],
+                     manifest: Optional[WeightManifest]) -> List[str]:
+    """Problems of one module's A/B pair: one missing, a rank other than the config's ``r``, shapes
+    that do not fit the base weight (when ``manifest`` is given)."""
+    problems: List[str] = []
+    missing = sorted({"A", "B"} - set(ab))
+    if missing:
+        problems.append(f"{module}: lora_{missing[0]} is missing (each module needs lora_A and lora_B)")
+    a, b = ab.get("A"), ab.get("B")
+    if r is not None:
+        if a is not None and a.dim() == 2 and a.shape[0] != r:
+            problems.append(f"{module}.lora_A: shape {tuple(a.shape)} has rank {a.shape[0]}, the config's r is {r}")
+        if b is not None and b.dim() == 2 and b.shape[1] != r:
+            problems.append(f"{module}.lora_B: shape {tuple(b.shape)} has rank {b.shape[1]}, the config's r is {r}")
+    if manifest is not None:
+        problems.extend(_base_shape_problems(module, a, b, r, manifest))
+    return problems
+
+
+def _pairing_problems(modules: Iterable[str]) -> List[str]:
+    """Problems of the modules SGLang stacks, per layer in sorted order: ``k_proj``/``v_proj`` without
+    ``q_proj``, ``q_proj`` without ``v_proj``, ``up_proj`` without ``gate_proj``."""
+    layers: Dict[str, set] = {}
+    for module in modules:
+        parent, _, kind = module.rpartition(".")
+        layers.setdefault(parent, set()).add(kind)
+    problems: List[str] = []
+    for parent, kinds in sorted(layers.items()):
+        if kinds & {"k_proj", "v_proj"} and "q_proj" not in kinds:
+            problems.append(f"{parent}: {sorted(kinds & {'k_proj', 'v_proj'})} without q_proj (SGLang stacks q/k/v "
+                            "on q_proj and would fail on the rest inside its scheduler)")
+        if "q_proj" in kinds and "v_proj" not in kinds:
+            problems.append(f"{parent}: q_proj without v_proj (SGLang stacks q/k/v and needs v_proj)")
+        if "up_proj" in kinds and "gate_proj" not in kinds:
+            problems.append(f"{parent}: up_proj without gate_proj (SGLang stacks gate/up on gate_proj)")
+    return problems
+
+
 def validate_adapter(items: Iterable[NamedTensor], config: Mapping[str, Any], manifest: Optional[WeightManifest] = None,
                      engine_config=None, context: str = "LoRA adapter") -> List[NamedTensor]:
     """Check an adapter whole before any of it is sent; return its tensors under PEFT's saved names.
@@ -287,84 +299,13 @@ def validate_adapter(items: Iterable[NamedTensor], config: Mapping[str, Any], ma
     """
     problems = list(check_adapter_config(config, engine_config))
     r = config.get("r") if isinstance(config.get("r"), int) else None
-    targets = config.get("target_modules")
-    declared = None if isinstance(targets, str) or not targets else {t.split(".")[-1] for t in targets}
-    served = None
-    if engine_config is not None and engine_config.lora_enabled and engine_config.server_lora_target_modules() != ["all"]:
-        served = set(_stacked(engine_config.server_lora_target_modules()))
-    out: List[NamedTensor] = []
-    seen: Dict[str, str] = {}
-    modules: Dict[str, Dict[str, torch.Tensor]] = {}
-    for item in items:
-        try:
-            name, tensor = _checked_item(item)
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        try:
-            peft_name, module, ab = parse_adapter_name(name)
-        except ValueError as exc:
-            problems.append(str(exc))
-            continue
-        if peft_name in seen:
-            problems.append(f"{name}: the same weight as {seen[peft_name]}")
-            continue
-        seen[peft_name] = name
-        kind = module.split(".")[-1]
-        if _LAYER.search(module + ".") is None or kind not in ADAPTER_MODULES:
-            problems.append(f"{name}: adapters on {kind!r} are not served (decoder-layer modules {list(ADAPTER_MODULES)})")
-            continue
-        if declared is not None and kind not in declared:
-            problems.append(f"{name}: {kind!r} is not in the config's target_modules {sorted(declared)}")
-        if served is not None and _stacked([kind])[0] not in served:
-            problems.append(f"{name}: the engine serves no adapter on {kind!r} (its lora_target_modules: "
-                            f"{engine_config.lora_target_modules!r}; SGLang's scheduler would fail on it)")
-        if not tensor.is_floating_point():
-            problems.append(f"{name}: dtype {tensor.dtype} is not floating point")
-        if tensor.dim() != 2:
-            problems.append(f"{name}: shape {tuple(tensor.shape)} is not 2-D")
-            continue
-        modules.setdefault(module, {})[ab] = tensor
-        out.append((peft_name, tensor))
+    declared, served = _adapter_scope(config, engine_config)
+    out, seen, modules = _collect_adapter_tensors(items, declared, served, engine_config, problems)
     if not seen and not problems:
         problems.append("empty adapter: no tensors")
-    layers: Dict[str, set] = {}
     for module, ab in modules.items():
-        missing = sorted({"A", "B"} - set(ab))
-        if missing:
-            problems.append(f"{module}: lora_{missing[0]} is missing (each module needs lora_A and lora_B)")
-        a, b = ab.get("A"), ab.get("B")
-        if r is not None:
-            if a is not None and a.dim() == 2 and a.shape[0] != r:
-                problems.append(f"{module}.lora_A: shape {tuple(a.shape)} has rank {a.shape[0]}, the config's r is {r}")
-            if b is not None and b.dim() == 2 and b.shape[1] != r:
-                problems.append(f"{module}.lora_B: shape {tuple(b.shape)} has rank {b.shape[1]}, the config's r is {r}")
-        if manifest is not None:
-            base = f"{module}.weight"
-            if base not in manifest:
-                problems.append(f"{module}: the base model has no weight {base}")
-            else:
-                shape = manifest[base].shape
-                if len(shape) != 2:
-                    problems.append(f"{module}: base weight {base} has shape {shape}, not a linear layer's")
-                else:
-                    out_dim, in_dim = shape
-                    if a is not None and a.shape[1] != in_dim:
-                        problems.append(f"{module}.lora_A: shape {tuple(a.shape)}, expected ({r or a.shape[0]}, {in_dim}) "
-                                        f"(base {base} is {shape})")
-                    if b is not None and b.shape[0] != out_dim:
-                        problems.append(f"{module}.lora_B: shape {tuple(b.shape)}, expected ({out_dim}, {r or b.shape[1]}) "
-                                        f"(base {base} is {shape})")
-        parent, _, kind = module.rpartition(".")
-        layers.setdefault(parent, set()).add(kind)
-    for parent, kinds in sorted(layers.items()):
-        if kinds & {"k_proj", "v_proj"} and "q_proj" not in kinds:
-            problems.append(f"{parent}: {sorted(kinds & {'k_proj', 'v_proj'})} without q_proj (SGLang stacks q/k/v "
-                            "on q_proj and would fail on the rest inside its scheduler)")
-        if "q_proj" in kinds and "v_proj" not in kinds:
-            problems.append(f"{parent}: q_proj without v_proj (SGLang stacks q/k/v and needs v_proj)")
-        if "up_proj" in kinds and "gate_proj" not in kinds:
-            problems.append(f"{parent}: up_proj without gate_proj (SGLang stacks gate/up on gate_proj)")
+        problems.extend(_module_problems(module, ab, r, manifest))
+    problems.extend(_pairing_problems(modules))
     if problems:
         raise SyncValidationError(problems, context)
     return out
@@ -390,39 +331,6 @@ def serialize_by_value(obj) -> bytes:
     buf = io.BytesIO()
     _ByValuePickler(buf, protocol=5).dump(obj)
     return buf.getvalue()
-
-
-@dataclass
-class AdapterPayload:
-    """A checked adapter, serialized for SGLang's ``load_lora_adapter_from_tensors(load_format="flattened_bucket")``.
-
-    Attributes:
-        data: the serialized ``{"flattened_tensor", "metadata"}`` dict (bytes, by value).
-        config: the normalized PEFT config SGLang gets (``target_modules`` as the modules sent).
-        n_tensors: tensors in it.
-        tensor_bytes: bytes of tensor data (no padding).
-        modules: the target module kinds present (``["q_proj", "v_proj", ...]``).
-        build_parts: seconds of building it, in three parts: ``check`` (:func:`validate_adapter`),
-            ``flatten`` (one buffer on the tensors' device, then one copy to pinned host memory),
-            ``serialize`` (pickling the bytes by value); :attr:`build_seconds` is their sum.
-    """
-
-    data: bytes
-    config: Dict[str, Any]
-    n_tensors: int
-    tensor_bytes: int
-    modules: List[str] = field(default_factory=list)
-    build_parts: Dict[str, float] = field(default_factory=dict)
-
-    @property
-    def build_seconds(self) -> float:
-        """Seconds to check, flatten and serialize (the sum of :attr:`build_parts`)."""
-        return sum(self.build_parts.values())
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of :attr:`data`."""
-        return len(self.data)
 
 
 def build_adapter_payload(items, peft_config, manifest: Optional[WeightManifest] = None, engine_config=None,
@@ -560,7 +468,7 @@ class AdapterSync:
             MemoryStateError: the weights are released, requests run, or another operation is in progress.
             RuntimeError: SGLang refused the adapter or a bucket.
         """
-        from .sender import send_flattened_buckets
+        from .flattened_bucket import send_flattened_buckets
         from .manifest import SyncValidator
 
         t0 = time.perf_counter()
@@ -618,7 +526,7 @@ def _base_to_send(engine, base_weights, nothing_was: str):
 
 
 class _NoFlush:
-    """The engine for :func:`~.sender.send_flattened_buckets` without its flush (the adapter sync
+    """The engine for :func:`~.flattened_bucket.send_flattened_buckets` without its flush (the adapter sync
     flushes once at its end)."""
 
     def __init__(self, engine):
@@ -636,12 +544,12 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
     """The staged wake of a :class:`~sgl_rollout.worker.RolloutWorker` with an adapter sync (the body of
     ``RolloutWorker.update_adapter``).
 
-    Order: check and serialize the adapter (nothing sent on a refusal); when the engine lacks its base
-    weights (:func:`engine_needs_base_sync`), ``worker.update_weights(base_weights)`` (resume weights,
-    base sync; then, before the KV cache returns, the adapter load and ``offload_trainer``); otherwise
-    resume the weights if released (their CPU backup restores them), load the adapter, offload the
-    trainer, empty the cache, resume the KV cache. The phases land in ``worker.last_phase_seconds``
-    (``adapter`` for the load) and ``worker.timeline``.
+    Order: check and serialize the adapter (nothing sent on a refusal); then the worker's staged wake
+    (:meth:`sgl_rollout.switch.Switch.wake`) with the adapter load as a hook (phase ``adapter``) before
+    ``offload_trainer``: when the engine lacks its base weights (:func:`engine_needs_base_sync`) through
+    ``worker.update_weights(base_weights)``, which syncs the base first; otherwise without a sync (released
+    weights come back from their CPU backup). The phases land in ``worker.last_phase_seconds`` and
+    ``worker.timeline``.
 
     Args:
         worker: the RolloutWorker (its engine started with ``lora_rank > 0``).
@@ -660,7 +568,7 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
         SyncValidationError: the adapter does not fit the model; nothing was resumed or sent.
         MemoryStateError, RuntimeError: as :meth:`RolloutWorker.update_weights`.
     """
-    from ..memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, aggressive_empty_cache
+    from ..memory import KV_CACHE
 
     engine = worker.engine
     sync = AdapterSync(engine, name=name, manifest=worker.manifest)
@@ -668,7 +576,6 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
     payload = adapter if isinstance(adapter, AdapterPayload) else sync.payload(adapter, peft_config)
     engine.settle()
     stats = AdapterSyncStats(name=name, build_parts=dict(payload.build_parts))
-    worker.last_phase_seconds = {}
 
     def load_adapter():
         t = time.perf_counter()
@@ -677,46 +584,17 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
         if not engine.state.is_released(KV_CACHE):
             engine.flush_cache()
         stats.version, stats.load_seconds = record.version, time.perf_counter() - t
-        worker.last_phase_seconds["adapter"] = stats.load_seconds
-        worker.timeline.record("adapter")
 
+    hooks = [("adapter", load_adapter)]
     if sync.needs_base():
         base = _base_to_send(engine, base_weights, "resumed or sent")
-
-        def then():
-            load_adapter()
-            if offload_trainer is not None:
-                offload_trainer()
-
-        base_stats = worker.update_weights(base, offload_trainer=then)
-        phases = dict(worker.last_phase_seconds)
-        if "offload_trainer" in phases:  # the worker timed then() whole: the adapter load is reported apart
-            phases["offload_trainer"] = max(0.0, phases["offload_trainer"] - stats.load_seconds)
+        base_stats = worker.update_weights(base, offload_trainer=offload_trainer, after_sync=hooks)
         stats.base_sent, stats.base_tensors, stats.base_bytes = True, base_stats.n_tensors, base_stats.bytes
         stats.base_seconds = base_stats.seconds
-        worker.last_phase_seconds = phases
-    else:
-        t0 = time.perf_counter()
-        if engine.state.is_released(WEIGHTS):  # released, yet kept: a CPU backup restores them
-            engine.resume([WEIGHTS])
-            worker.last_phase_seconds["resume_weights"] = time.perf_counter() - t0
-            worker.timeline.record("resume_weights")
-        load_adapter()
+    else:  # released weights come back from their CPU backup: no sync before the adapter
         if offload_trainer is not None:
-            t0 = time.perf_counter()
-            offload_trainer()
-            worker.last_phase_seconds["offload_trainer"] = time.perf_counter() - t0
-            worker.timeline.record("offload_trainer")
-        t0 = time.perf_counter()
-        aggressive_empty_cache()
-        worker.last_phase_seconds["empty_cache"] = time.perf_counter() - t0
-        worker.timeline.record("empty_cache")
-        rest = [t for t in (KV_CACHE, CUDA_GRAPH) if t in engine.state.released]
-        if rest:
-            t0 = time.perf_counter()
-            engine.resume(rest)
-            worker.last_phase_seconds["resume_kv_cache"] = time.perf_counter() - t0
-            worker.timeline.record("resume_kv_cache")
+            hooks.append(("offload_trainer", offload_trainer))
+        worker.switch.wake(hooks)
     stats.adapter_tensors, stats.adapter_bytes, stats.payload_bytes = (payload.n_tensors, payload.tensor_bytes,
                                                                        payload.nbytes)
     stats.seconds = worker.last_phase_seconds["switch_total"] = time.perf_counter() - t_start

@@ -27,8 +27,8 @@ from typing import Dict, FrozenSet, Iterable, List, Mapping, Set, Tuple, Union
 
 import torch
 
-#: Most problems ``str(SyncValidationError)`` lists; the rest are counted.
-MAX_LISTED = 50
+from ..errors import MAX_LISTED, SyncValidationError  # noqa: F401 - re-exported
+
 #: Unknown names per sync that get difflib suggestions (each can cost milliseconds on a big model).
 MAX_SUGGESTED = 10
 #: Largest safetensors JSON header read, in bytes (the format's own readers refuse larger ones).
@@ -42,31 +42,6 @@ _ST_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16
               "U32": "uint32", "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16",
               "BF16": "bfloat16", "F32": "float32", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
               "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "C64": "complex64"}
-
-
-class SyncValidationError(ValueError):
-    """Every problem found in one weight sync, raised before any of it reaches the engine.
-
-    Args:
-        problems: one human-readable line per problem (``"<name>: <what is wrong>"``).
-        context: what was being synced (e.g. ``"weight sync 3"``); prefixes the message.
-
-    ``str(err)`` lists the first :data:`MAX_LISTED` problems and ``"... and N more"``; ``err.problems``
-    holds all. Survives pickling (Ray sends exceptions between processes).
-    """
-
-    def __init__(self, problems: List[str], context: str = ""):
-        self.problems = list(problems)
-        self.context = context
-        head = f"{context}: " if context else ""
-        lines = [f"  {p}" for p in self.problems[:MAX_LISTED]]
-        if len(self.problems) > MAX_LISTED:
-            lines.append(f"  ... and {len(self.problems) - MAX_LISTED} more")
-        n = len(self.problems)
-        super().__init__(f"{head}{n} problem{'s' if n != 1 else ''} in the weight sync:\n" + "\n".join(lines))
-
-    def __reduce__(self):
-        return (type(self), (self.problems, self.context))
 
 
 @dataclass(frozen=True)

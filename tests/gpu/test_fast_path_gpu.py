@@ -14,7 +14,7 @@ import torch
 from sgl_rollout.bench import gpu_engine_flags
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.memory import MemoryStateError
-from sgl_rollout.weight_sync.sender import FastPathError
+from sgl_rollout.weight_sync.fast_path import FastPathError
 from sgl_rollout.worker import RolloutWorker
 
 from .greedy import assert_greedy_equal

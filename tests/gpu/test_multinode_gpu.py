@@ -1,4 +1,4 @@
-"""2 GPUs as two Ray nodes: one TP=2 replica across both (``sgl_rollout.ray.launch_replica``).
+"""2 GPUs as two Ray nodes: one TP=2 replica across both (``sgl_rollout.server.launch_replica``).
 
 Two raylets of ``ray.cluster_utils.Cluster`` (``num_gpus=1`` each, ``CUDA_VISIBLE_DEVICES`` 0 and 1 in the
 raylets' environments, ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` so that actors keep them) stand
@@ -57,7 +57,7 @@ def two_nodes(tmp_path_factory):
 
 
 def _sync(leader, workers, bucket_bytes) -> float:
-    from sgl_rollout.ray import sync_weights_from_workers
+    from sgl_rollout.server import sync_weights_from_workers
 
     t0 = time.perf_counter()
     ray.get([w.start_sync.remote(bucket_bytes) for w in workers])
@@ -74,7 +74,7 @@ def test_tp2_replica_over_two_nodes(two_nodes):
 
     from sgl_rollout.engine import EngineDeadError
     from sgl_rollout.engine.layout import replica_layout
-    from sgl_rollout.ray import launch_replica, launch_rollout_server
+    from sgl_rollout.server import launch_replica, launch_rollout_server
 
     model_dir = two_nodes
     nodes = sorted((n for n in ray.nodes() if n["Alive"]), key=lambda n: "node1" in n["Resources"])

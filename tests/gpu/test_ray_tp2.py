@@ -1,5 +1,5 @@
 """2 GPUs, Ray: two trainer workers (one per GPU, the first holding ~20 GB before the second starts),
-then a TP=2 engine hosted through sgl_rollout.ray starts, generates, sleeps, takes a weight sync from
+then a TP=2 engine hosted through sgl_rollout.server starts, generates, sleeps, takes a weight sync from
 both workers (each sending its TP rank's payload from its own GPU), wakes and generates HF's greedy output."""
 
 import os
@@ -33,7 +33,7 @@ def cluster(tmp_path_factory):
 
 
 def test_tp2_engine_through_ray_syncs_from_two_workers(cluster):
-    from sgl_rollout.ray import RolloutServer, launch_rollout_server, merge_visible_devices, sync_weights_from_workers
+    from sgl_rollout.server import RolloutServer, launch_rollout_server, merge_visible_devices, sync_weights_from_workers
 
     model_dir = cluster
     for mod in (sys.modules[__name__], trainers):

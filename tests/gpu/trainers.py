@@ -1,5 +1,5 @@
 """A trainer worker for the Ray GPU tests: the HF model on its one GPU, sending its weights bucket by bucket
-(each TP rank's payload from its own GPU, ``sgl_rollout.ray.sync_weights_from_workers``)."""
+(each TP rank's payload from its own GPU, ``sgl_rollout.server.sync_weights_from_workers``)."""
 
 import os
 import sys

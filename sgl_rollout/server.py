@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import trace
 from .config import FAST_SYNC_LOADER, RolloutConfig
 from .engine import Generation
-from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS
+from .switch import WAKE_ORDER
 
 #: Variables the engine actor reads back in :meth:`RolloutServer.env` (tests, ``doctor``).
 WATCHED_ENV = (
@@ -77,7 +77,8 @@ ENGINE_LOOP_ENV = "SGL_ROLLOUT_ENGINE_LOOP"
 
 
 class RolloutServer:
-    """Ray actor body hosting one :class:`~sgl_rollout.worker.RolloutWorker` (the engine starts in :meth:`start`).
+    """Ray actor body hosting one :class:`~sgl_rollout.engine.RolloutEngine` and its
+    :class:`~sgl_rollout.switch.Switch` (the engine starts in :meth:`start`).
 
     All methods are coroutines so that Ray runs the actor as an async actor: generation requests
     from many clients overlap and SGLang batches them. SGLang's tokenizer manager runs on the actor's
@@ -99,7 +100,8 @@ class RolloutServer:
         from .engine import install_sigquit_handler
 
         self.config = config if isinstance(config, RolloutConfig) else RolloutConfig(**config)
-        self.worker = None
+        self.engine = None
+        self.switch = None
         self.global_steps: Optional[int] = None
         # Without this, a dying scheduler's SIGQUIT would end the actor (and everything verl awaits
         # on it) instead of raising EngineDeadError. An async actor runs outside the main thread, so
@@ -192,11 +194,11 @@ class RolloutServer:
             RuntimeError: a node failed to start (every node's processes are stopped).
         """
         from .engine import RolloutEngine
-        from .worker import RolloutWorker
+        from .switch import Switch
 
-        if self.worker is not None:
-            self.worker.engine.check_alive()
-            return list(self.worker.engine.tags)
+        if self.engine is not None:
+            self.engine.check_alive()
+            return list(self.engine.tags)
         if layout is not None:
             if len(node_hosts) != layout.nnodes - 1:
                 raise ValueError(f"{len(node_hosts)} node hosts for a replica over {layout.nnodes} nodes")
@@ -210,26 +212,26 @@ class RolloutServer:
         except BaseException:
             await self._stop_nodes()
             raise
-        self.worker = RolloutWorker(config, engine=engine)
+        self.engine, self.switch = engine, Switch(engine, config)
         await self._await_nodes(refs)
         self._watch_nodes()
-        return list(self.worker.engine.tags)
+        return list(self.engine.tags)
 
     async def restart(self) -> List[str]:
         """Start a fresh engine after :class:`~sgl_rollout.engine.EngineDeadError` (blocks the actor
         for the start-up); sync weights before generating. Returns the tags. A replica over several
         nodes restarts on every node (the other nodes' processes are stopped first)."""
-        if self.worker is None:
+        if self.engine is None:
             return await self.start()
         refs = []
         if self.node_hosts:
-            self.worker.engine.fail("restart of the whole replica")
+            self.engine.fail("restart of the whole replica")
             await self._stop_nodes()
             refs = self._start_nodes()
-        self.worker.restart()
+        self.engine.restart()
         await self._await_nodes(refs)
         self._watch_nodes()
-        return list(self.worker.engine.tags)
+        return list(self.engine.tags)
 
     def _watch_nodes(self, interval_s: float = 1.0) -> None:
         """Ask every other node's host every ``interval_s`` seconds whether its engine processes live; when
@@ -240,7 +242,7 @@ class RolloutServer:
 
         if not self.node_hosts:
             return
-        engine = self.worker.engine
+        engine = self.engine
 
         async def watch():
             while engine.alive:
@@ -276,9 +278,9 @@ class RolloutServer:
 
     @property
     def _engine(self):
-        if self.worker is None:
+        if self.engine is None:
             raise RuntimeError("engine not started: call start() first")
-        return self.worker.engine
+        return self.engine
 
     async def env(self) -> Dict[str, Optional[str]]:
         """The watched environment variables as this actor sees them (None: unset)."""
@@ -299,11 +301,13 @@ class RolloutServer:
     # -------------------------------------------------------------- memory
     @trace.traced("server.sleep")
     async def sleep(self) -> List[str]:
-        """Release per ``sleep_level`` (nothing when ``free_cache_engine`` is False)."""
-        if not self.config.free_cache_engine:
+        """Release per ``sleep_level`` (nothing when ``free_cache_engine`` is False;
+        :meth:`Switch.sleep <sgl_rollout.switch.Switch.sleep>`)."""
+        if not self.config.free_cache_engine:  # nothing to release (the switch's rule), started or not
             return []
-        tags = await self._engine.async_release(self.worker.release_tags())
-        if self.layout is not None:  # one node: the worker's timeline has it, without NVML's cost here
+        self._engine  # noqa: B018 - raises when the engine has not started
+        tags = await self.switch.async_sleep()
+        if tags and self.layout is not None:  # one node: the worker's timeline has it, without NVML's cost here
             await self.memory_by_node("sleep")
         return tags
 
@@ -318,26 +322,24 @@ class RolloutServer:
     @trace.traced("server.resume", fields=("stage",))
     async def resume_stage(self, stage: str) -> List[str]:
         """Resume one stage of the staged wake, only what is released: ``"weights"``, or ``"kv_cache"``
-        (KV cache and CUDA-graph memory). A stage with nothing released is a no-op.
+        (KV cache and CUDA-graph memory; :data:`sgl_rollout.switch.STAGES`). A stage with nothing
+        released is a no-op.
 
         Raises:
             ValueError: unknown stage.
         """
-        tags = {WEIGHTS: [WEIGHTS], KV_CACHE: [KV_CACHE, CUDA_GRAPH]}.get(stage)
-        if tags is None:
-            raise ValueError(f"unknown stage {stage!r}; use 'weights' or 'kv_cache'")
-        released = set(self._engine.state.released)
-        tags = [t for t in tags if t in released]
-        if not tags:
-            return []
-        tags = await self._engine.async_resume(tags)
-        if self.layout is not None:
+        self._engine  # noqa: B018 - raises when the engine has not started
+        tags = await self.switch.async_resume_stage(stage)
+        if tags and self.layout is not None:
             await self.memory_by_node(f"resume_{stage}")
         return tags
 
     async def wake_up(self) -> List[str]:
-        """Resume everything released, weights first."""
-        return await self.resume_stage(WEIGHTS) + await self.resume_stage(KV_CACHE)
+        """Resume everything released, stage by stage in wake order (weights first)."""
+        resumed: List[str] = []
+        for stage in WAKE_ORDER:
+            resumed += await self.resume_stage(stage)
+        return resumed
 
     # -------------------------------------------------------------- weights
     @trace.traced("server.begin_weight_sync")
@@ -403,8 +405,8 @@ class RolloutServer:
         """Stop the engine's processes; for a replica over several nodes this node's first, then the
         others' (stopped the other way round, the leader's scheduler sees its peers' connections reset
         and logs an error)."""
-        if self.worker is not None:
-            self.worker.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
         await self._stop_nodes()
 
 
@@ -573,7 +575,8 @@ def launch_replica(config: RolloutConfig, layout, node_ids: Sequence[str], name:
 
 def sync_weights_from_workers(server, workers: Sequence, prepare: str = "next_weight_payload",
                               release: str = "release_weight_payload") -> int:
-    """Drive a bucketed weight sync where TP rank ``r``'s payload comes from ``workers[r]``.
+    """Drive a bucketed weight sync where TP rank ``r``'s payload comes from ``workers[r]``: the bucket
+    rounds of :func:`sgl_rollout.weight_sync.protocol.bucket_rounds` over Ray.
 
     Each worker actor must offer ``prepare()`` returning the next bucket's serialized payload (bytes)
     or None when done, keeping that bucket's GPU buffer alive, and ``release()`` dropping it (see
@@ -583,31 +586,31 @@ def sync_weights_from_workers(server, workers: Sequence, prepare: str = "next_we
         number of buckets loaded.
 
     Raises:
-        RuntimeError: workers disagree on the number of buckets, or the engine fails to load one.
+        RoundError: workers disagree on the number of buckets (a RuntimeError).
+        RuntimeError: the engine fails to load a bucket.
         Whatever a worker's ``prepare()`` raises (a ``SyncValidationError``, say). In every case each
         worker's held bucket is released before this returns, and the engine is told the sync failed.
     """
     import ray
 
-    n = 0
-    ray.get(server.begin_weight_sync.remote())
-    ok = False
-    try:
-        while True:
-            refs = [getattr(w, prepare).remote() for w in workers]
-            try:
-                payloads = ray.get(refs)
-                done = [p is None for p in payloads]
-                if all(done):
-                    break
-                if any(done):
-                    raise RuntimeError(f"workers ran out of buckets at different times (bucket {n}: {done})")
-                ray.get(server.update_weights_from_payloads.remote(payloads))
-            finally:
-                ray.wait(refs, num_returns=len(refs))  # a failed worker must not leave the others holding
-                ray.get([getattr(w, release).remote() for w in workers])
-            n += 1
-        ok = True
-    finally:
-        ray.get(server.finish_weight_sync.remote(ok))
-    return n
+    from .weight_sync.protocol import bucket_rounds
+
+    def release_all(_bucket=None) -> None:
+        ray.get([getattr(w, release).remote() for w in workers])
+
+    def next_round(_bucket: int) -> list:
+        refs = [getattr(w, prepare).remote() for w in workers]
+        try:
+            return ray.get(refs)
+        except BaseException:
+            ray.wait(refs, num_returns=len(refs))  # a failed worker must not leave the others holding
+            release_all()
+            raise
+
+    return bucket_rounds(
+        begin=lambda: ray.get(server.begin_weight_sync.remote()),
+        next_round=next_round,
+        load=lambda payloads, _bucket: ray.get(server.update_weights_from_payloads.remote(payloads)),
+        finish=lambda ok: ray.get(server.finish_weight_sync.remote(ok)),
+        release=release_all,
+    )

@@ -1,0 +1,459 @@
+"""The engine's core: SGLang started in a guarded environment, one event loop for its calls, death and restart.
+
+:class:`EngineCore` starts ``sglang.Engine`` in the environment :mod:`.lifecycle` prepares, runs SGLang's
+tokenizer-manager coroutines on one event loop (its own thread's, or the caller's: a Ray async actor's),
+and turns a dead engine process, or an error that escapes SGLang on that loop, into
+:class:`~.lifecycle.EngineDeadError` for every call in flight and after (until :meth:`EngineCore.restart`).
+The calls themselves live beside it, one part each (:mod:`.generate`, :mod:`.memory_calls`,
+:mod:`.weight_calls`, :mod:`.lora_calls`), each written once and run blocking or awaited
+(:mod:`sgl_rollout.twin`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import signal
+import threading
+import time
+from typing import Any, Callable, Iterator, List, Optional
+
+from ..config import RolloutConfig
+from ..memory import ALL_TAGS, CUDA_GRAPH, MemoryState
+from ..twin import Step, twin
+from .lifecycle import EngineClosedError, EngineDeadError, EngineProcesses, engine_env_updates, on_sigquit
+
+logger = logging.getLogger(__name__)
+
+
+def engine_tags(config: RolloutConfig) -> tuple:
+    """The tags an engine built from ``config`` has: ``cuda_graph`` only when CUDA graphs are on."""
+    return tuple(t for t in ALL_TAGS if t != CUDA_GRAPH or not config.enforce_eager)
+
+
+def check_tp_for_sglang(config: RolloutConfig) -> None:
+    """Refuse, before SGLang spawns anything, a TP size the model's heads do not split over or that needs
+    more GPUs than this process sees (:func:`~sgl_rollout.config.tp_layout_problem`).
+
+    Raises:
+        TPLayoutError: as :func:`~sgl_rollout.config.check_tp_layout`.
+    """
+    from ..config import check_tp_layout, heads_of_model_path
+
+    args = config.engine_kwargs
+    tp = config.tensor_model_parallel_size
+    attn_tp = tp // int(args.get("dp_size", 1) or 1) if args.get("enable_dp_attention") else tp
+    check_tp_layout(attn_tp, heads_of_model_path(config.model_path))
+    try:
+        import torch
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else None
+    except ImportError:
+        visible = None
+    if visible:
+        # a replica over N nodes needs tp / N GPUs here (its other ranks run on the other nodes)
+        nnodes = max(1, int(args.get("nnodes", 1) or 1))
+        base, step = int(args.get("base_gpu_id", 0) or 0), int(args.get("gpu_id_step", 1) or 1)
+        check_tp_layout(tp // nnodes, gpus=max(0, (visible - base + step - 1) // step),
+                        key="tensor_model_parallel_size" + (f" / nnodes={nnodes}" if nnodes > 1 else ""))
+
+
+@contextlib.contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Hold off Ctrl-C while a call is sent to SGLang and recorded here; raise it when the block ends.
+
+    Python raises KeyboardInterrupt in the main thread between any two bytecodes. Landing after a
+    release, resume, bucket load or generate has been handed to the engine's loop but before the engine
+    recorded it, it would leave SGLang running a call the engine believes was never sent: a resume sent
+    again is a ``KeyError`` that kills the scheduler, a generate counted as ended lets a release trip the
+    scheduler's idle assertion, a load counted as answered lets its buffer go while SGLang reads it.
+    Inside this block SIGINT is only noted; on leaving it the previous handler runs (Python's default
+    raises KeyboardInterrupt), after the call is sent and recorded, so the caller is interrupted as
+    before and the next call waits for SGLang's answer.
+
+    Does nothing outside the main thread (Python delivers signals there only) or where SIGINT's handler
+    was not set from Python (it could not be put back).
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    caught: List[Any] = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda _signum, frame: caught.append(frame))
+    except ValueError:  # a subinterpreter's main thread: no handlers to set
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            if callable(previous):
+                previous(signal.SIGINT, caught[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
+
+
+class EngineCore:
+    """SGLang's engine, started and watched; the loop its calls run on; death, restart and shutdown.
+
+    Every call to SGLang runs as a coroutine of its tokenizer manager on one event loop: by default in a
+    thread of this object (``sgl-rollout-engine``), where the blocking methods wait for it and the
+    ``async_`` ones await it from any other loop; or, with ``loop``, on the caller's own loop (a Ray
+    async actor's, as verl's ``SGLangHttpServer`` runs SGLang), where the ``async_`` methods are awaited
+    on that loop and no request crosses a thread.
+
+    A dead scheduler (an exception in it, ``kill -9``, an OOM kill) does not take the host process down:
+    SGLang's SIGQUIT handler is replaced by :func:`~.lifecycle.on_sigquit`, a watchdog thread watches the
+    engine's processes, and every call (also those in flight) raises :class:`EngineDeadError` until
+    :meth:`restart`. So does a ``SystemExit`` or ``KeyboardInterrupt`` that escapes an SGLang coroutine
+    on the engine's loop: SGLang's state is then unknown, and the loop's thread would otherwise end with
+    its callers waiting forever.
+
+    The parts of :class:`~sgl_rollout.engine.RolloutEngine` reset their own state in ``_on_start``
+    (called by every start and restart).
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        engine_factory: Optional[Callable[..., Any]] = None,
+        disable_tp_imbalance_check: bool = True,
+        watch_interval_s: float = 0.2,
+        loop: Optional[asyncio.AbstractEventLoop] = None,
+    ):
+        self.config = config
+        self._home_loop = loop
+        self._inner: set = set()
+        self._factory = engine_factory
+        self._disable_tp_imbalance_check = disable_tp_imbalance_check
+        self._watch_interval_s = watch_interval_s
+        self._closed = False
+        self._dead: Optional[str] = None
+        self._pending: set = set()
+        self._pending_lock = threading.Lock()
+        self._last_op: Optional[concurrent.futures.Future] = None
+        self._lifecycle_lock = threading.RLock()
+        self._generation = 0
+        atexit.register(self.shutdown)
+        try:
+            self._start()
+        except BaseException:  # nothing to shut down: at exit, shutdown() would find no machinery
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            raise
+
+    # ----------------------------------------------------------------- life cycle
+    def _on_start(self) -> None:
+        """Reset the state of the engine's parts for a fresh start (each part extends it)."""
+
+    def _start(self) -> None:
+        factory = self._factory
+        if factory is None:
+            check_tp_for_sglang(self.config)
+            from sglang.srt.entrypoints.engine import Engine as factory  # noqa: N813
+
+        self._generation += 1
+        self.state = MemoryState(engine_tags(self.config))
+        self._last_op = None
+        self._on_start()
+        server_args = self.config.to_server_args()
+        if threading.current_thread() is threading.main_thread():
+            # SGLang installs this in place of its own launch-phase handler, which kills the host.
+            server_args["custom_sigquit_handler"] = on_sigquit
+        generation = self._generation
+        try:
+            self._procs = EngineProcesses(
+                factory, server_args, engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check),
+                on_death=lambda reason: self._mark_dead(reason, generation), watch_interval_s=self._watch_interval_s)
+        except BaseException as exc:
+            if self._generation > 1:  # a failed restart: calls keep raising EngineDeadError
+                self._dead = f"restart failed: {exc!r}"
+            raise
+        self._engine = self._procs.engine
+        self._dead = None
+        if self._home_loop is not None:
+            self._loop, self._loop_thread = self._home_loop, None
+        else:
+            self._loop = asyncio.new_event_loop()
+            self._loop_thread = threading.Thread(target=self._run_own_loop, args=(self._loop, generation),
+                                                 name="sgl-rollout-engine", daemon=True)
+            self._loop_thread.start()
+        logger.info("SGLang engine up: tp=%d, child processes %s", self.config.tensor_model_parallel_size, self._child_pids)
+
+    def _run_own_loop(self, loop: asyncio.AbstractEventLoop, generation: int) -> None:
+        """The engine thread's body: if its loop ever ends by an error, the engine is dead (no call on it
+        would be answered)."""
+        try:
+            loop.run_forever()
+        except BaseException as exc:  # noqa: BLE001 - recorded as the engine's death
+            self._mark_dead(f"the engine's event loop ended: {exc!r}", generation)
+
+    @property
+    def _child_pids(self) -> List[int]:
+        """Pids of the engine's own child processes (its scheduler(s), detokenizer), sorted."""
+        return self._procs.child_pids
+
+    def _mark_dead(self, reason: str, generation: Optional[int] = None) -> None:
+        """Record the engine's death, end what is left of its processes, then fail every call in flight.
+
+        ``generation``: the engine start the caller saw; a late report about an engine that was
+        already restarted is ignored. The processes are ended before the calls fail, and under the
+        life-cycle lock, so a :meth:`restart` prompted by the error starts on freed GPUs and cannot
+        have its own processes taken for the dead engine's.
+        """
+        with self._lifecycle_lock:
+            if generation is not None and generation != self._generation:
+                return
+            if self._closed or self._dead is not None:
+                return
+            self._dead = reason
+            logger.error("SGLang engine died: %s; calls raise EngineDeadError until restart()", reason)
+            self._stop_machinery()
+        self._fail_pending(EngineDeadError(f"the SGLang engine died ({reason}); call restart()"))
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        with self._pending_lock:
+            pending, self._pending = list(self._pending), set()
+        for fut in pending:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                fut.set_exception(exc)
+
+    def _stop_machinery(self) -> None:
+        def stop_loop() -> None:  # calls that will never be answered are dropped quietly
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+            self._loop.call_soon(self._loop.stop)
+
+        def stop_ours() -> None:  # a borrowed loop: only this engine's calls and SGLang's own tasks
+            for fut in doomed:
+                fut.cancel()
+            for task in list(getattr(tm, "asyncio_tasks", ())):
+                task.cancel()
+
+        # taken now: a restart's new engine takes calls on the same loop before stop_ours runs
+        with self._pending_lock:
+            doomed = list(self._inner)
+        tm = getattr(self._engine, "tokenizer_manager", None)
+        with contextlib.suppress(RuntimeError):  # a borrowed loop that is already closed
+            self._loop.call_soon_threadsafe(stop_loop if self._home_loop is None else stop_ours)
+        self._procs.stop()
+
+    def fail(self, reason: str) -> None:
+        """Declare the engine dead from outside: another node of its replica died, so SGLang's next
+        collective would hang. Its processes are ended and every call in flight and after raises
+        :class:`EngineDeadError` (naming ``reason``) until :meth:`restart`. No-op when already dead or
+        shut down."""
+        self._mark_dead(reason, self._generation)
+
+    def check_alive(self) -> None:
+        """Raise at once if the engine cannot take calls.
+
+        Raises:
+            EngineClosedError: after :meth:`shutdown`.
+            EngineDeadError: after the engine died, until :meth:`restart`.
+        """
+        if self._closed:
+            raise EngineClosedError("the engine was shut down")
+        if self._dead is not None:
+            raise EngineDeadError(f"the SGLang engine died ({self._dead}); call restart()")
+
+    @property
+    def tags(self) -> tuple:
+        """Tags of this engine's memory regions."""
+        return self.state.tags
+
+    @property
+    def alive(self) -> bool:
+        """True while the engine is neither shut down nor dead."""
+        return not self._closed and self._dead is None
+
+    @property
+    def generation(self) -> int:
+        """1 for the first engine start, +1 for each :meth:`restart` (a restart loads the weights anew
+        as ``config.load_format`` says and drops every adapter)."""
+        return self._generation
+
+    def restart(self) -> None:
+        """Start a fresh engine with the same config after a death (or to recover from anything).
+
+        What is left of the old engine's processes is killed first. The new engine loads weights as
+        ``config.load_format`` says (random for ``"dummy"``): sync the trainer's weights before
+        generating. All tags are resident afterwards.
+
+        Raises:
+            EngineClosedError: the engine was shut down.
+            RuntimeError: SGLang fails to start.
+        """
+        if self._closed:
+            raise EngineClosedError("the engine was shut down; make a new RolloutEngine")
+        with self._lifecycle_lock:  # waits until a death being handled has ended the old processes
+            if self._dead is None:
+                self._dead = "restarting"
+                self._stop_machinery()
+                self._fail_pending(EngineDeadError("the engine is restarting"))
+            t0 = time.perf_counter()
+            self._start()
+        logger.info("SGLang engine restarted in %.1f s", time.perf_counter() - t0)
+
+    # ----------------------------------------------------------------- calls into SGLang
+    def _submit(self, make_coro: Callable[[], Any], on_done: Optional[Callable[[Optional[BaseException]], None]] = None
+                ) -> concurrent.futures.Future:
+        """Run ``make_coro()`` on the engine's loop; the returned future fails with EngineDeadError on death.
+
+        ``on_done(exc)`` runs when SGLang has answered (``exc`` None on success), before the returned
+        future resolves, whatever became of the caller.
+        """
+        self.check_alive()
+        outer: concurrent.futures.Future = concurrent.futures.Future()
+        with self._pending_lock:
+            self._pending.add(outer)
+        generation = self._generation
+
+        async def run():
+            try:
+                return await make_coro()
+            except (SystemExit, KeyboardInterrupt) as exc:
+                # on the loop's thread this would end the loop (and every caller would wait forever);
+                # what SGLang did is unknown, so the engine is dead
+                self._mark_dead(f"{exc!r} escaped an SGLang call", generation)
+                raise EngineDeadError(f"the SGLang engine died ({exc!r} escaped an SGLang call); "
+                                      "call restart()") from exc
+
+        if self._on_home_loop():  # the caller's own loop: a task of it, awaited directly (see _await)
+            inner = self._loop.create_task(run())
+            outer.task = inner
+        else:
+            inner = asyncio.run_coroutine_threadsafe(run(), self._loop)
+        with self._pending_lock:
+            self._inner.add(inner)
+
+        def finish(f: concurrent.futures.Future) -> None:
+            with self._pending_lock:
+                self._inner.discard(f)
+            exc = f.exception() if not f.cancelled() else concurrent.futures.CancelledError()
+            if on_done is not None:
+                on_done(exc)
+            if isinstance(exc, (concurrent.futures.CancelledError, asyncio.CancelledError)) and (
+                self._dead is not None or self._closed
+            ):
+                return  # the dead/closed engine's loop dropped the call: _fail_pending gives its error
+            with self._pending_lock:
+                self._pending.discard(outer)
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                if exc is None:
+                    outer.set_result(f.result())
+                else:
+                    outer.set_exception(exc)
+
+        inner.add_done_callback(finish)
+        return outer
+
+    def _on_home_loop(self) -> bool:
+        """True when called from inside the borrowed loop SGLang runs on (``RolloutEngine(loop=...)``)."""
+        if self._home_loop is None:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _check_not_on_loop(self) -> None:
+        """Refuse a blocking call on the thread of a borrowed loop: SGLang's answer needs that loop.
+
+        Raises:
+            RuntimeError: called from inside the borrowed loop.
+        """
+        if self._on_home_loop():
+            raise RuntimeError("this engine runs SGLang on this thread's event loop: use the async_ "
+                               "methods here (a synchronous call would wait for itself)")
+
+    @staticmethod
+    def _wait(fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None):
+        try:
+            return fut.result()
+        except BaseException:
+            if not fut.done() and on_interrupt is not None:
+                on_interrupt()
+            raise
+
+    @staticmethod
+    async def _await(fut: concurrent.futures.Future, on_cancel: Optional[Callable[[], None]] = None):
+        task = getattr(fut, "task", None)
+        try:  # shielded: a cancelled caller must not cancel the record of SGLang's answer
+            if task is None:
+                return await asyncio.shield(asyncio.wrap_future(fut))
+            # a task of this very loop (_submit): no hop through thread-safe futures. Its done-callback
+            # (_submit's finish) has resolved ``fut`` before this coroutine resumes.
+            try:
+                await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # this caller was cancelled
+                return await asyncio.wrap_future(fut)  # the engine's death or shutdown: its error
+            return fut.result()
+        except BaseException:
+            if not fut.done() and on_cancel is not None:
+                on_cancel()
+            raise
+
+    def waiting(self, fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None) -> Step:
+        """The step of a call body that waits for ``fut`` (SGLang's answer): blocking, or awaited and
+        shielded; ``on_interrupt`` runs when the caller stops waiting before the answer."""
+        return Step(self._wait, self._await, (fut, on_interrupt))
+
+    def _settle(self):
+        """Wait until the last release/resume/sync bucket has been answered by SGLang (it may have been
+        sent by a caller that was interrupted), so that :attr:`state` is what the engine holds.
+
+        Raises:
+            EngineClosedError, EngineDeadError: as :meth:`check_alive`.
+        """
+        last = self._last_op
+        if last is not None and not last.done():
+            try:
+                yield self.waiting(last)
+            except Exception:  # noqa: BLE001 - its own caller got the error; the state says the rest
+                pass
+        self.check_alive()
+
+    settle, async_settle = twin(_settle, before_sync=_check_not_on_loop)
+
+    def _tm(self):
+        return self._engine.tokenizer_manager
+
+    def server_info(self) -> dict:
+        """SGLang's server args plus scheduler info such as ``max_total_num_tokens`` (KV-cache capacity
+        in tokens), as ``Engine.get_server_info()`` gives them.
+
+        Raises:
+            EngineDeadError, EngineClosedError: as :meth:`check_alive`.
+        """
+        self.check_alive()
+        info = dict(getattr(self._engine, "_scheduler_init_result").scheduler_infos[0])
+        info.update({k: v for k, v in vars(self._engine.server_args).items() if not callable(v)})
+        return info
+
+    # ----------------------------------------------------------------- shutdown
+    def shutdown(self) -> None:
+        """Stop the engine's processes, and only those. Safe to call twice; later calls raise
+        :class:`EngineClosedError`."""
+        with self._lifecycle_lock:  # a death being handled ends its processes first
+            if self._closed:
+                return
+            was_dead = self._dead is not None
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            if not was_dead:
+                self._stop_machinery()
+        self._fail_pending(EngineClosedError("the engine was shut down"))
+        logger.info("SGLang engine stopped (processes %s)", self._child_pids)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

@@ -1,0 +1,106 @@
+"""sgl_rollout.switch: release by sleep level, stage -> tags, the staged wake with hooks, both faces."""
+
+import asyncio
+
+import pytest
+
+from fakes import FakeSGLangEngine
+from sgl_rollout.config import RolloutConfig
+from sgl_rollout.engine import RolloutEngine
+from sgl_rollout.memory import MemoryStateError
+from sgl_rollout.switch import STAGES, WAKE_ORDER, Switch, sleep_tags, stage_tags, stages_of
+
+
+def test_stages_and_levels():
+    assert STAGES == {"weights": ("weights",), "kv_cache": ("kv_cache", "cuda_graph")}
+    assert WAKE_ORDER == ("weights", "kv_cache")
+    all_tags = ("weights", "kv_cache", "cuda_graph")
+    assert sleep_tags(all_tags, 1) == ["kv_cache", "cuda_graph"]
+    assert sleep_tags(all_tags, 2) == ["weights", "kv_cache", "cuda_graph"]
+    assert sleep_tags(("weights", "kv_cache"), 2) == ["weights", "kv_cache"]  # no CUDA graphs
+    with pytest.raises(ValueError):
+        sleep_tags(all_tags, 3)
+    assert stage_tags("kv_cache", ("weights", "kv_cache")) == ["kv_cache"]
+    with pytest.raises(ValueError, match="unknown stage"):
+        stage_tags("optimizer")
+    assert stages_of(["kv_cache", "weights"]) == ["weights", "kv_cache"]  # wake order, whatever the order asked
+    assert stages_of(["cuda_graph"]) == ["kv_cache"]
+    assert stages_of(None) == ["weights", "kv_cache"]
+    with pytest.raises(ValueError, match="unknown tags"):
+        stages_of(["optimizer"])
+
+
+@pytest.fixture
+def engine():
+    eng = RolloutEngine(RolloutConfig(model_path="/fake", sleep_level=2), engine_factory=FakeSGLangEngine)
+    yield eng
+    eng.shutdown()
+
+
+def test_sleep_then_staged_wake_runs_hooks_between_the_stages_in_order(engine):
+    sw = Switch(engine, engine.config)
+    fake = engine._engine
+    assert sw.sleep() == ["weights", "kv_cache", "cuda_graph"]
+    assert sw.released_stages() == ["weights", "kv_cache"]
+    seen = []
+
+    def hook(name):
+        def fn():
+            seen.append((name, sorted(engine.state.released)))
+            return name.upper()
+        return fn
+
+    out = sw.wake([("sync", hook("sync")), ("offload_trainer", hook("offload_trainer"))], weights_undefined=True)
+    assert out == {"sync": "SYNC", "offload_trainer": "OFFLOAD_TRAINER"}
+    # the hooks ran with the weights back and the KV cache still released
+    assert seen == [("sync", ["cuda_graph", "kv_cache"]), ("offload_trainer", ["cuda_graph", "kv_cache"])]
+    assert [c for c in fake.calls if c[0] in ("release", "resume")] == [
+        ("release", ("weights", "kv_cache", "cuda_graph")), ("resume", ("weights",)),
+        ("resume", ("kv_cache", "cuda_graph"))]
+    main = [p for p in sw.last_phase_seconds if "." not in p]
+    assert main == ["resume_weights", "sync", "offload_trainer", "empty_cache", "resume_kv_cache", "switch_total"]
+    # the weights were marked undefined before their resume and no complete sync followed
+    with pytest.raises(MemoryStateError):
+        engine.generate([[1]], {"max_new_tokens": 1})
+
+
+def test_a_failing_hook_leaves_the_kv_cache_released(engine):
+    sw = Switch(engine, engine.config)
+    sw.sleep()
+
+    def boom():
+        raise RuntimeError("sync failed")
+
+    with pytest.raises(RuntimeError, match="sync failed"):
+        sw.wake([("sync", boom)])
+    assert sorted(engine.state.released) == ["cuda_graph", "kv_cache"]
+    assert sw.resume_stage("kv_cache") == ["kv_cache", "cuda_graph"]
+    assert sw.resume_stage("kv_cache") == []  # nothing released: a no-op
+
+
+def test_async_face_with_coroutine_hooks_and_release_stage(engine):
+    sw = Switch(engine, engine.config.model_copy(update={"sleep_level": 1}))
+
+    async def scenario():
+        assert await sw.async_sleep() == ["kv_cache", "cuda_graph"]
+        seen = []
+
+        async def sync():
+            await asyncio.sleep(0)
+            seen.append(sorted(engine.state.released))
+            return 7
+
+        out = await sw.async_wake([("sync", sync)])
+        assert out == {"sync": 7} and seen == [["cuda_graph", "kv_cache"]]
+        assert await sw.async_release_stage("kv_cache") == ["kv_cache", "cuda_graph"]
+        assert await sw.async_release_stage("kv_cache") == []
+        assert await sw.async_resume_stage("kv_cache") == ["kv_cache", "cuda_graph"]
+
+    asyncio.run(scenario())
+    assert engine.state.released == ()
+
+
+def test_free_cache_engine_off_releases_nothing(engine):
+    sw = Switch(engine, engine.config.model_copy(update={"free_cache_engine": False}))
+    assert sw.sleep() == [] and engine.state.released == ()
+    assert sw.wake([("sync", lambda: 1)]) == {"sync": 1}
