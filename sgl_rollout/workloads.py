@@ -529,6 +529,39 @@ def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int =
         ValueError: sizes that verl would reject or that do not split over the GPUs (``ngpus`` not a
             multiple of ``tp``, a batch that does not divide over ``ngpus``, ``rollout_n`` < 2, ...).
     """
+    _check_grpo_sizes(ngpus, tp, steps, test_freq, rollout_n, train_batch_size, gpu_memory_utilization)
+    run = Path(run_dir).resolve()
+    mini = train_batch_size // 2
+    micro = min(128, mini * rollout_n // ngpus)  # one micro-batch per PPO mini-batch, see the docstring
+    name = experiment_name or f"grpo_arith_{ngpus}gpu_tp{tp}"
+    return [*_GRPO_ALGORITHM_OVERRIDES,
+            *_grpo_data_overrides(run / "data", train_batch_size, prompt_length, response_length),
+            *_grpo_actor_overrides(model_dir, lr, mini, micro, kl_coef),
+            *_grpo_rollout_overrides(tp, gpu_memory_utilization, rollout_n, temperature, micro),
+            *_grpo_reward_overrides(),
+            *_grpo_trainer_overrides(run, name, ngpus, steps, test_freq)]
+
+
+#: GRPO, KL as a loss term (not in the reward).
+_GRPO_ALGORITHM_OVERRIDES = (
+    "algorithm.adv_estimator=grpo",
+    "algorithm.use_kl_in_reward=False",
+)
+
+#: The SGLang engine flags of a host without FlashInfer sampling or grammar kernels.
+_GRPO_SGLANG_ENGINE_OVERRIDES = (
+    "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=triton",
+    "+actor_rollout_ref.rollout.engine_kwargs.sglang.sampling_backend=pytorch",
+    "+actor_rollout_ref.rollout.engine_kwargs.sglang.grammar_backend=none",
+)
+
+def _check_grpo_sizes(ngpus: int, tp: int, steps: int, test_freq: int, rollout_n: int, train_batch_size: int,
+                      gpu_memory_utilization: float) -> None:
+    """Refuse the sizes of :func:`grpo_overrides` that verl would reject or that do not split over the GPUs.
+
+    Raises:
+        ValueError: the first size that does not fit, with the reason.
+    """
     if tp < 1 or ngpus < 1 or ngpus % tp:
         raise ValueError(f"NGPUS ({ngpus}) must be a positive multiple of TP ({tp})")
     if steps < 1 or test_freq < 1:
@@ -542,15 +575,12 @@ def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int =
         raise ValueError(f"a mini-batch of {mini} prompts x {rollout_n} samples does not split over {ngpus} GPUs")
     if not 0 < gpu_memory_utilization < 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
-    run = Path(run_dir).resolve()
-    data = run / "data"
-    micro = min(128, mini * rollout_n // ngpus)  # one micro-batch per PPO mini-batch, see the docstring
-    name = experiment_name or f"grpo_arith_{ngpus}gpu_tp{tp}"
+
+
+def _grpo_data_overrides(data: Path, train_batch_size: int, prompt_length: int, response_length: int) -> List[str]:
+    """The ``data.*`` overrides of :func:`grpo_overrides` (verl/trainer/config/data/legacy_data.yaml):
+    the task's parquet files in ``data``."""
     return [
-        # algorithm: GRPO, KL as a loss term (not in the reward)
-        "algorithm.adv_estimator=grpo",
-        "algorithm.use_kl_in_reward=False",
-        # data (verl/trainer/config/data/legacy_data.yaml)
         f"data.train_files={data / 'train.parquet'}",
         f"data.val_files={data / 'val.parquet'}",
         f"data.train_batch_size={train_batch_size}",
@@ -559,6 +589,13 @@ def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int =
         "data.filter_overlong_prompts=False",
         "data.truncation=error",
         "data.dataloader_num_workers=0",
+    ]
+
+
+def _grpo_actor_overrides(model_dir: os.PathLike, lr: float, mini: int, micro: int, kl_coef: float) -> List[str]:
+    """The model, actor and reference-policy overrides of :func:`grpo_overrides`: an FSDP actor without
+    flash-attn, ``mini`` prompts per PPO mini-batch, ``micro`` sequences per GPU micro-batch."""
+    return [
         # model: FSDP actor without flash-attn
         f"actor_rollout_ref.model.path={model_dir}",
         "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
@@ -580,7 +617,14 @@ def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int =
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
         "actor_rollout_ref.ref.fsdp_config.param_offload=False",
-        # rollout (verl/trainer/config/rollout/rollout.yaml): SGLang through sgl-rollout, colocated
+    ]
+
+
+def _grpo_rollout_overrides(tp: int, gpu_memory_utilization: float, rollout_n: int, temperature: float,
+                            micro: int) -> List[str]:
+    """The rollout overrides of :func:`grpo_overrides` (verl/trainer/config/rollout/rollout.yaml):
+    SGLang through sgl-rollout, colocated."""
+    return [
         "actor_rollout_ref.rollout.name=sglang",
         "actor_rollout_ref.rollout.mode=async",
         f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}",
@@ -590,14 +634,24 @@ def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int =
         f"actor_rollout_ref.rollout.temperature={temperature}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         "actor_rollout_ref.rollout.agent.num_workers=4",
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.attention_backend=triton",
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.sampling_backend=pytorch",
-        "+actor_rollout_ref.rollout.engine_kwargs.sglang.grammar_backend=none",
-        # reward: the demo's compute_score (sgl_rollout.demo.verl_task) (verl/trainer/config/reward/reward.yaml)
+        *_GRPO_SGLANG_ENGINE_OVERRIDES,
+    ]
+
+
+def _grpo_reward_overrides() -> List[str]:
+    """The reward overrides of :func:`grpo_overrides`: the demo's compute_score
+    (:data:`REWARD_FN_PATH`, sgl_rollout.demo.verl_task) (verl/trainer/config/reward/reward.yaml)."""
+    return [
         f"reward.custom_reward_function.path={REWARD_FN_PATH}",
         f"reward.custom_reward_function.name={REWARD_FN_NAME}",
         "reward.num_workers=4",
-        # trainer
+    ]
+
+
+def _grpo_trainer_overrides(run: Path, name: str, ngpus: int, steps: int, test_freq: int) -> List[str]:
+    """The ``trainer.*`` overrides of :func:`grpo_overrides` (one node, no checkpoints, validation before
+    training), its outputs under ``run``, and hydra's and verl's file logger's paths there too."""
+    return [
         "trainer.critic_warmup=0",
         "trainer.logger=[console,file]",
         "trainer.project_name=sgl_rollout",

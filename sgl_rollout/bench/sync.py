@@ -11,7 +11,7 @@ Methods, all into the same engine (one GPU, a 1.1B Llama-shaped model: hidden 20
 * ``flat_<default>m``: the same format in this package's default bucket
   (``RolloutConfig().update_weights_bucket_megabytes``): the path before the fast path;
 * ``fast_512m``, ``fast_<default>m``, ``fast_3072m``: the fast path
-  (:class:`~sgl_rollout.weight_sync.sender.FastPathSender`: copy plan, persistent IPC buffer, the
+  (:class:`~sgl_rollout.weight_sync.fast_path.FastPathSender`: copy plan, persistent IPC buffer, the
   sender's gather into it, one scatter kernel on the receiving side), with the sender's gather /
   SGLang round trip / status check split of the last run; 3072 MiB holds the whole model (one call);
 * ``fast_<default>m_copy``, ``_foreach``, ``_cat``: the default bucket with each gather
@@ -78,9 +78,6 @@ def bench_sync(args) -> Dict:
     """
     from ..config import RolloutConfig
     from ..engine import RolloutEngine
-    from ..weight_sync import flatten_bucket, send_flattened_buckets, serialize
-    from ..weight_sync.manifest import WeightManifest
-    from ..weight_sync.sender import FastPathSender
 
     model_dir = os.path.join(args.workdir, "llama-1.1b")
     make_llama_dir(model_dir, LLAMA_1B)
@@ -94,88 +91,9 @@ def bench_sync(args) -> Dict:
         # as in a colocated RL step: the KV cache is released while the weights arrive (SGLang flushed the
         # prefix cache when it released it, so no sync pays a flush)
         engine.release(["kv_cache"])
-
-        def per_tensor():
-            with engine.weight_sync():
-                for group in _groups(named, 2 << 30):
-                    ok, msg = engine.update_weights_from_tensor([serialize(group)], load_format=None)
-                    assert ok, msg
-            engine.flush_cache()
-            torch.cuda.ipc_collect()
-
-        def flat(mb):
-            def run():
-                with engine.weight_sync():
-                    send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
-            return run
-
-        def flatten_only():
-            for bucket in _groups(named, 2 << 30):
-                flatten_bucket(bucket, device="cuda")
-
-        manifest = WeightManifest.from_named_tensors(named)
-        senders = {f"fast_{mb}m": FastPathSender(engine, manifest, mb << 20) for mb in (512, default_mb, ONE_BUCKET_MB)}
-        for method in ("copy", "foreach", "cat"):
-            senders[f"fast_{default_mb}m_{method}"] = FastPathSender(engine, manifest, default_mb << 20, gather=method)
-        fresh = f"fast_{default_mb}m_fresh"
-        senders[fresh] = FastPathSender(engine, manifest, default_mb << 20)
-
-        def release_fresh():  # as after a level-2 release: the next sync allocates, shares and opens anew
-            with engine.weight_sync():
-                senders[fresh].release()
-            torch.cuda.empty_cache()
-
-        def fast(key):
-            def run():
-                with engine.weight_sync():
-                    senders[key].send(named)
-            return run
-
-        flat_all = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(flat_all)
-        sizes = [t.numel() * t.element_size() for _, t in named]
-        outs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
-        methods = {
-            "verl_per_tensor_2g": per_tensor,
-            "slime_flat_512m": flat(512),
-            f"flat_{default_mb}m": flat(default_mb),
-            **{key: fast(key) for key in senders},
-            "flatten_only_2g": flatten_only,
-            "round_trip_fast_path": lambda: _ping(engine, senders[f"fast_{default_mb}m"]),
-            "split_with_sizes_copy": lambda: torch.split_with_sizes_copy(flat_all, sizes, out=outs),
-            "d2d_copy": lambda: dst.copy_(flat_all),
-        }
-        results = {}
-        for name, fn in methods.items():
-            before = release_fresh if name == fresh else None
-            fn()  # warm-up
-            times = _timed(fn, args.repeats, before)
-            med = statistics.median(times)
-            results[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "times_s": times}
-            if name in senders:
-                snd = senders[name]
-                results[name]["last_parts_s"] = dict(snd.timings)
-                results[name]["buckets"] = len(snd._layouts[0]) if snd.covered else None
-                results[name]["covered"] = snd.covered
-        del flat_all, dst, outs
-        peak = {}
-        for mb in (512, 2048, default_mb):
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            flat(mb)()
-            peak[f"flat_{mb}m"] = torch.cuda.max_memory_allocated() - base
-        for key, snd in senders.items():
-            with engine.weight_sync():
-                snd.release()  # the buffer is allocated again by the measured sync
-        for key in senders:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            fast(key)()
-            peak[key] = torch.cuda.max_memory_allocated() - base
-            with engine.weight_sync():
-                senders[key].release()
+        senders = _fast_senders(engine, named, default_mb)
+        results = _time_methods(engine, named, nbytes, default_mb, senders, args.repeats)
+        peak = _sender_peaks(engine, named, default_mb, senders)
     finally:
         engine.shutdown()
     return {
@@ -189,6 +107,133 @@ def bench_sync(args) -> Dict:
         "results": results,
         "sender_peak_extra_bytes": peak,
     }
+
+
+def _fast_senders(engine, named, default_mb: int) -> Dict:
+    """The fast-path senders of :func:`bench_sync`, by method name: ``fast_<mb>m`` for 512 MiB, the default
+    bucket and :data:`ONE_BUCKET_MB`, the default bucket with each gather method (``fast_<default>m_<method>``)
+    and ``fast_<default>m_fresh`` (its buffer released before each timed sync)."""
+    from ..weight_sync.fast_path import FastPathSender
+    from ..weight_sync.manifest import WeightManifest
+
+    manifest = WeightManifest.from_named_tensors(named)
+    senders = {f"fast_{mb}m": FastPathSender(engine, manifest, mb << 20) for mb in (512, default_mb, ONE_BUCKET_MB)}
+    for method in ("copy", "foreach", "cat"):
+        senders[f"fast_{default_mb}m_{method}"] = FastPathSender(engine, manifest, default_mb << 20, gather=method)
+    senders[f"fast_{default_mb}m_fresh"] = FastPathSender(engine, manifest, default_mb << 20)
+    return senders
+
+
+def _per_tensor_sync(engine, named) -> Callable[[], None]:
+    """A sync as verl sends it: per-tensor CUDA IPC handles in groups of up to 2 GiB."""
+    from ..weight_sync import serialize
+
+    def per_tensor():
+        with engine.weight_sync():
+            for group in _groups(named, 2 << 30):
+                ok, msg = engine.update_weights_from_tensor([serialize(group)], load_format=None)
+                assert ok, msg
+        engine.flush_cache()
+        torch.cuda.ipc_collect()
+    return per_tensor
+
+
+def _flat_sync(engine, named, mb: int) -> Callable[[], None]:
+    """A sync in SGLang's ``flattened_bucket`` format, in buckets of ``mb`` MiB."""
+    from ..weight_sync import send_flattened_buckets
+
+    def run():
+        with engine.weight_sync():
+            send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
+    return run
+
+
+def _flatten_only(named) -> Callable[[], None]:
+    """Building 2 GiB flattened buckets on the GPU, no engine call."""
+    from ..weight_sync import flatten_bucket
+
+    def run():
+        for bucket in _groups(named, 2 << 30):
+            flatten_bucket(bucket, device="cuda")
+    return run
+
+
+def _fast_sync(engine, sender, named) -> Callable[[], None]:
+    """A fast-path sync of ``named`` through ``sender``."""
+    def run():
+        with engine.weight_sync():
+            sender.send(named)
+    return run
+
+
+def _release_sender(engine, sender) -> None:
+    """Release ``sender``'s buffer (the engine closes its handle); the next sync allocates it again."""
+    with engine.weight_sync():
+        sender.release()
+
+
+def _time_methods(engine, named, nbytes: int, default_mb: int, senders: Dict, repeats: int) -> Dict:
+    """Time every method of :func:`bench_sync` (one warm-up, then ``repeats`` timed runs each).
+
+    Returns:
+        method -> ``median_s``, ``gb_per_s``, ``times_s``; for a fast-path sender also ``last_parts_s``,
+        ``buckets`` and ``covered``.
+    """
+    fresh = f"fast_{default_mb}m_fresh"
+
+    def release_fresh():  # as after a level-2 release: the next sync allocates, shares and opens anew
+        _release_sender(engine, senders[fresh])
+        torch.cuda.empty_cache()
+
+    flat_all = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(flat_all)
+    sizes = [t.numel() * t.element_size() for _, t in named]
+    outs = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes]
+    methods = {
+        "verl_per_tensor_2g": _per_tensor_sync(engine, named),
+        "slime_flat_512m": _flat_sync(engine, named, 512),
+        f"flat_{default_mb}m": _flat_sync(engine, named, default_mb),
+        **{key: _fast_sync(engine, snd, named) for key, snd in senders.items()},
+        "flatten_only_2g": _flatten_only(named),
+        "round_trip_fast_path": lambda: _ping(engine, senders[f"fast_{default_mb}m"]),
+        "split_with_sizes_copy": lambda: torch.split_with_sizes_copy(flat_all, sizes, out=outs),
+        "d2d_copy": lambda: dst.copy_(flat_all),
+    }
+    results = {}
+    for name, fn in methods.items():
+        before = release_fresh if name == fresh else None
+        fn()  # warm-up
+        times = _timed(fn, repeats, before)
+        med = statistics.median(times)
+        results[name] = {"median_s": med, "gb_per_s": nbytes / med / 1e9, "times_s": times}
+        if name in senders:
+            snd = senders[name]
+            results[name]["last_parts_s"] = dict(snd.timings)
+            results[name]["buckets"] = len(snd._layouts[0]) if snd.covered else None
+            results[name]["covered"] = snd.covered
+    return results  # the copy baselines' buffers go with this frame, before the peaks are measured
+
+
+def _sender_peaks(engine, named, default_mb: int, senders: Dict) -> Dict[str, int]:
+    """Torch's peak allocation above the baseline during one sync: flattened (512, 2048 and the default
+    MiB) and through each fast-path sender, its buffer allocated anew by the measured sync."""
+    peak = {}
+    for mb in (512, 2048, default_mb):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _flat_sync(engine, named, mb)()
+        peak[f"flat_{mb}m"] = torch.cuda.max_memory_allocated() - base
+    for snd in senders.values():
+        _release_sender(engine, snd)  # the buffer is allocated again by the measured sync
+    for key, snd in senders.items():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        _fast_sync(engine, snd, named)()
+        peak[key] = torch.cuda.max_memory_allocated() - base
+        _release_sender(engine, snd)
+    return peak
 
 
 def bench_gather(args) -> Dict:

@@ -334,62 +334,85 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
         return name + (name_of(args, kwargs) if name_of else "")
 
     def fields(kwargs, error):
-        out = {}
-        if step_kw and kwargs.get(step_kw) is not None:
-            out["step"] = kwargs[step_kw]
-        if error is not None:
-            out["error"] = type(error).__name__
-        return out
+        return _span_fields(kwargs, step_kw, error)
 
     if inspect.iscoroutinefunction(fn):
-        @functools.wraps(fn)
-        async def wrapper(*args, **kwargs):
-            if window_only and not _in_window():
-                return await fn(*args, **kwargs)
-            if watch:
-                _watch_stalls()
-            if memory:
-                memory_snapshot("start", **fields(kwargs, None))
-            t0, c0, err = time.time(), time.perf_counter(), None
-            _open_window(int(window))
-            try:
-                out = await fn(*args, **kwargs)
-                return result(out) if result else out
-            except BaseException as exc:
-                err = exc
-                raise
-            finally:
-                _open_window(-int(window))
-                emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
-                if memory:
-                    memory_snapshot("end", **fields(kwargs, None))
+        wrapper = _timed_coroutine(fn, label, fields, result, window, window_only, watch, memory)
     else:
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if window_only and not _in_window():
-                return fn(*args, **kwargs)
-            t0, c0 = time.time(), time.perf_counter()
-            try:
-                out = fn(*args, **kwargs)
-            except BaseException as exc:
-                emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, exc))
-                raise
-            if inspect.isawaitable(out):  # e.g. verl's auto_await inside a running loop
-
-                async def finish():
-                    err = None
-                    try:
-                        return await out
-                    except BaseException as exc:
-                        err = exc
-                        raise
-                    finally:
-                        emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
-
-                return finish()
-            emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, None))
-            return result(out) if result else out
+        wrapper = _timed_function(fn, label, fields, result, window_only)
     return _mark(wrapper)
+
+
+def _span_fields(kwargs: dict, step_kw: Optional[str], error: Optional[BaseException]) -> Dict[str, Any]:
+    """The extra fields of one :func:`timed` span: ``step`` (the ``step_kw`` keyword argument, when the
+    call passed it) and ``error`` (the type name of what the call raised, if anything)."""
+    out = {}
+    if step_kw and kwargs.get(step_kw) is not None:
+        out["step"] = kwargs[step_kw]
+    if error is not None:
+        out["error"] = type(error).__name__
+    return out
+
+
+def _timed_coroutine(fn: Callable, label: Callable, fields: Callable, result: Optional[Callable[[Any], Any]],
+                     window: bool, window_only: bool, watch: bool, memory: bool) -> Callable:
+    """:func:`timed`'s wrapper of a coroutine function (itself one): ``label(args, kwargs)`` names the
+    span, ``fields(kwargs, error)`` gives its extra fields; the other arguments are :func:`timed`'s."""
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        if window_only and not _in_window():
+            return await fn(*args, **kwargs)
+        if watch:
+            _watch_stalls()
+        if memory:
+            memory_snapshot("start", **fields(kwargs, None))
+        t0, c0, err = time.time(), time.perf_counter(), None
+        _open_window(int(window))
+        try:
+            out = await fn(*args, **kwargs)
+            return result(out) if result else out
+        except BaseException as exc:
+            err = exc
+            raise
+        finally:
+            _open_window(-int(window))
+            emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
+            if memory:
+                memory_snapshot("end", **fields(kwargs, None))
+    return wrapper
+
+
+def _timed_function(fn: Callable, label: Callable, fields: Callable, result: Optional[Callable[[Any], Any]],
+                    window_only: bool) -> Callable:
+    """:func:`timed`'s wrapper of a plain function; an awaitable it returns (e.g. verl's ``auto_await``
+    inside a running loop) is awaited by a coroutine that emits the span when it ends. ``label`` and
+    ``fields`` as in :func:`_timed_coroutine`."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if window_only and not _in_window():
+            return fn(*args, **kwargs)
+        t0, c0 = time.time(), time.perf_counter()
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as exc:
+            emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, exc))
+            raise
+        if inspect.isawaitable(out):  # e.g. verl's auto_await inside a running loop
+
+            async def finish():
+                err = None
+                try:
+                    return await out
+                except BaseException as exc:
+                    err = exc
+                    raise
+                finally:
+                    emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, err))
+
+            return finish()
+        emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, None))
+        return result(out) if result else out
+    return wrapper
 
 
 def _gen_result(name: str) -> Callable[[Any], Any]:

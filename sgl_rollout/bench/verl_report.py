@@ -24,7 +24,7 @@ import statistics
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..workloads import SCORE_KEY, load_metrics, val_accuracy
 
@@ -299,55 +299,83 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     named: Dict[str, List[dict]] = {}
     for s in spans:
         named.setdefault(s["name"], []).append(s)
-    requests, sleeps, polls = named.get(GEN_REQUEST, []), named.get("replica.sleep", []), named.get(POLL, [])
-    servers, clients = named.get("server.generate", []), named.get("verl.client_generate", [])
     stalls_seen = any(named.get(n) for n in ("probe.stall_watch", "probe.loop_stall", "probe.gil_stall"))
     out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
     for prev_step, w in sorted(updates.items()):
         t0 = _end(w)
         nxt = updates.get(prev_step + 1)
         t1 = nxt["t0"] if nxt is not None else math.inf
-        reqs = [s for s in requests if t0 <= s["t0"] < t1]
-        if not reqs:
-            continue
-        first, last = min(s["t0"] for s in reqs), max(_end(s) for s in reqs)
-        lead_in: Dict[str, float] = {}
-        serving = {"requests": float(len(reqs)), "last request in": max(s["t0"] for s in reqs) - first,
-                   "request median": med([s["dt"] for s in reqs])}
-        arrivals = sorted(s["t0"] for s in reqs)
-        for label, way_in, among in (("verl.client_generate", "client -> SGLang", clients),
-                                     ("server.generate", "server -> SGLang", servers)):
-            sent = sorted(s["t0"] for s in among if t0 <= s["t0"] < last)
-            if sent:
-                lead_in[label] = sent[0] - t0
-                serving[f"{way_in}, k-th request"] = med([a - b for a, b in zip(arrivals, sent)])
-        acquires = [s["dt"] for s in named.get("verl.acquire_server", []) if t0 <= s["t0"] < last]
-        if acquires:
-            serving["load-balancer round trip"] = med(acquires)
-        for label, name in (("loop", "probe.loop_stall"), ("GIL", "probe.gil_stall")) if stalls_seen else ():
-            seen = [s["dt"] for s in named.get(name, []) if t0 <= s["t0"] < last]
-            serving[f"{label} stalls"] = float(len(seen))
-            serving[f"longest {label} stall"] = max(seen, default=0.0)
-        phases = [("gen: update end -> first request", first - t0, lead_in),
-                  ("gen: first request -> last answer", last - first, serving)]
-        after = [s for s in sleeps if last <= s["t0"] < t1]
-        if after:
-            start = min(s["t0"] for s in after)
-            back = {}
-            for label, among in (("server.generate returned", servers),
-                                 ("verl.client_generate returned", clients)):
-                ends = [_end(s) for s in among if t0 <= s["t0"] < last and _end(s) <= start]
-                if ends:
-                    back[label] = max(ends) - last
-            step_polls = [s for s in polls if t0 <= s["t0"] < start]
-            if step_polls:
-                back["replay-buffer poll sleep"] = sum(max(0.0, min(_end(s), start) - max(s["t0"], last))
-                                                       for s in step_polls)
-                back["polls"] = float(len(step_polls))
-            phases.append(("gen: last answer -> replica.sleep", start - last, back))
-            phases.append(("gen: replica.sleep", max(_end(s) for s in after) - start, {}))
-        out[prev_step + 1] = phases
+        phases = _gen_window(named, t0, t1, stalls_seen)
+        if phases is not None:
+            out[prev_step + 1] = phases
     return out
+
+
+def _gen_window(named: Dict[str, List[dict]], t0: float, t1: float,
+                stalls_seen: bool) -> Optional[List[Tuple[str, float, Dict[str, float]]]]:
+    """The generation phases of one step (:func:`gen_breakdown`): between the end ``t0`` of one update
+    and the start ``t1`` of the next (inf: none); ``named``: the spans by name. None without request spans."""
+    reqs = [s for s in named.get(GEN_REQUEST, []) if t0 <= s["t0"] < t1]
+    if not reqs:
+        return None
+    first, last = min(s["t0"] for s in reqs), max(_end(s) for s in reqs)
+    lead_in, serving = _gen_serving(named, reqs, t0, last, stalls_seen)
+    phases = [("gen: update end -> first request", first - t0, lead_in),
+              ("gen: first request -> last answer", last - first, serving)]
+    after = [s for s in named.get("replica.sleep", []) if last <= s["t0"] < t1]
+    if after:
+        start = min(s["t0"] for s in after)
+        phases.append(("gen: last answer -> replica.sleep", start - last, _gen_way_back(named, t0, last, start)))
+        phases.append(("gen: replica.sleep", max(_end(s) for s in after) - start, {}))
+    return phases
+
+
+def _gen_serving(named: Dict[str, List[dict]], reqs: List[dict], t0: float, last: float,
+                 stalls_seen: bool) -> Tuple[Dict[str, float], Dict[str, float]]:
+    """The children of the first two phases of :func:`gen_breakdown` for the step whose requests ``reqs``
+    started after the update's end ``t0`` and were answered by ``last``.
+
+    Returns:
+        (``gen: update end -> first request``'s children: when the first request left verl's client and
+        reached the server actor; ``gen: first request -> last answer``'s: request count and times, the
+        k-th request's way in, the load balancer's round trip and, where watched, the stalls).
+    """
+    first = min(s["t0"] for s in reqs)
+    lead_in: Dict[str, float] = {}
+    serving = {"requests": float(len(reqs)), "last request in": max(s["t0"] for s in reqs) - first,
+               "request median": med([s["dt"] for s in reqs])}
+    arrivals = sorted(s["t0"] for s in reqs)
+    for label, way_in in (("verl.client_generate", "client -> SGLang"), ("server.generate", "server -> SGLang")):
+        sent = sorted(s["t0"] for s in named.get(label, []) if t0 <= s["t0"] < last)
+        if sent:
+            lead_in[label] = sent[0] - t0
+            serving[f"{way_in}, k-th request"] = med([a - b for a, b in zip(arrivals, sent)])
+    acquires = [s["dt"] for s in named.get("verl.acquire_server", []) if t0 <= s["t0"] < last]
+    if acquires:
+        serving["load-balancer round trip"] = med(acquires)
+    for label, name in (("loop", "probe.loop_stall"), ("GIL", "probe.gil_stall")) if stalls_seen else ():
+        seen = [s["dt"] for s in named.get(name, []) if t0 <= s["t0"] < last]
+        serving[f"{label} stalls"] = float(len(seen))
+        serving[f"longest {label} stall"] = max(seen, default=0.0)
+    return lead_in, serving
+
+
+def _gen_way_back(named: Dict[str, List[dict]], t0: float, last: float, start: float) -> Dict[str, float]:
+    """The children of :func:`gen_breakdown`'s ``gen: last answer -> replica.sleep`` for the step whose
+    window opened at ``t0``, answered last at ``last`` and whose first replica began to sleep at ``start``:
+    when the server actor and verl's client returned, and the driver's replay-buffer poll sleeps."""
+    back = {}
+    for label, name in (("server.generate returned", "server.generate"),
+                        ("verl.client_generate returned", "verl.client_generate")):
+        ends = [_end(s) for s in named.get(name, []) if t0 <= s["t0"] < last and _end(s) <= start]
+        if ends:
+            back[label] = max(ends) - last
+    step_polls = [s for s in named.get(POLL, []) if t0 <= s["t0"] < start]
+    if step_polls:
+        back["replay-buffer poll sleep"] = sum(max(0.0, min(_end(s), start) - max(s["t0"], last))
+                                               for s in step_polls)
+        back["polls"] = float(len(step_polls))
+    return back
 
 
 def _collect_phases(per_step: Dict[int, List[Tuple[str, float, Dict[str, float]]]]) -> Dict[str, List[float]]:
@@ -395,37 +423,84 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     rows = load_metrics(metrics_path) if metrics_path.exists() else []
     train = training_rows(rows)
     out["steps"] = len(train)
-    if not info and not rows:
-        out["status"] = "missing"
-    elif info.get("exit_code") not in (0, None) or (out["planned_steps"] and len(train) < out["planned_steps"]):
-        out["status"] = "failed"
-    else:
-        out["status"] = "ok"
+    out["status"] = _run_status(info, rows, out["planned_steps"], len(train))
     later = train[1:]
+    later_steps = {r["step"] for r in later}
+    out["metrics"] = metrics = _step_metrics(later)
+    out["reward"] = [[r["step"], _num(r.get(SCORE_KEY))] for r in train]
+    out["val_acc"] = [[s, a] for s, a in val_accuracy(rows)]
+    out["per_step"] = {r["step"]: {k: _num(r.get(k)) for k in TIMING_KEYS if _num(r.get(k)) is not None} for r in train}
+    out.update(_nvml_summary(_read_json(run_dir / "nvml.json")))
+    spans = load_spans(run_dir / "spans")
+    spans, memory = [s for s in spans if s["name"] != MEMORY_SPAN], memory_around_update(spans)
+    if memory:
+        out["update_memory"] = summarize_memory(memory, later_steps)
+    update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
+    per_step_phases, sleep_by_step, order = _update_phases_by_step(steps_of(spans), update_by_step)
+    out.update(_update_summary(per_step_phases, order, later_steps))
+    waits = [g - sleep_by_step[r["step"]] for r in later
+             if (g := _num(r.get("timing_s/gen"))) is not None and r["step"] in sleep_by_step]
+    if waits:
+        metrics[GEN_WAIT_KEY] = _distribution(waits)
+    gen = {k: v for k, v in gen_breakdown(spans).items() if k in later_steps}
+    out["gen_phase_order"] = list(dict.fromkeys(label for phases in gen.values() for name, _s, kids in phases
+                                                 for label in [name] + [f"{name} / {k}" for k in kids]))
+    out["gen_phases"] = _phase_stats(_collect_phases(gen))
+    return out
+
+
+def _run_status(info: dict, rows: List[dict], planned_steps: Optional[int], steps: int) -> str:
+    """:func:`summarize_run`'s ``status``: ``"missing"`` (neither ``run.json`` nor metrics), ``"failed"``
+    (an exit code other than 0, or fewer than ``planned_steps`` training steps logged) or ``"ok"``."""
+    if not info and not rows:
+        return "missing"
+    if info.get("exit_code") not in (0, None) or (planned_steps and steps < planned_steps):
+        return "failed"
+    return "ok"
+
+
+def _distribution(vals: List[float]) -> dict:
+    """``{"median", "p90", "n", "values"}`` of ``vals`` (a metric of :func:`summarize_run`)."""
+    return {"median": med(vals), "p90": p90(vals), "n": len(vals), "values": vals}
+
+
+def _phase_stats(collected: Dict[str, List[float]]) -> Dict[str, dict]:
+    """Phase -> ``{"median", "p90", "n"}`` of each phase's seconds (of :func:`_collect_phases`)."""
+    return {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
+
+
+def _step_metrics(later: List[dict]) -> Dict[str, dict]:
+    """:data:`TIMING_KEYS` and :data:`MEMORY_KEYS` over the training rows ``later`` (the steps after the
+    first): key -> :func:`_distribution`, for each key logged as a number in at least one row."""
     metrics = {}
     for key in TIMING_KEYS + MEMORY_KEYS:
         vals = [v for r in later if (v := _num(r.get(key))) is not None]
         if vals:
-            metrics[key] = {"median": med(vals), "p90": p90(vals), "n": len(vals), "values": vals}
-    out["metrics"] = metrics
-    out["reward"] = [[r["step"], _num(r.get(SCORE_KEY))] for r in train]
-    out["val_acc"] = [[s, a] for s, a in val_accuracy(rows)]
-    out["per_step"] = {r["step"]: {k: _num(r.get(k)) for k in TIMING_KEYS if _num(r.get(k)) is not None} for r in train}
-    nvml = _read_json(run_dir / "nvml.json")
+            metrics[key] = _distribution(vals)
+    return metrics
+
+
+def _nvml_summary(nvml: dict) -> dict:
+    """What :func:`summarize_run` reports of ``nvml.json``: ``nvml_peak_gb``, ``nvml_error`` and, where
+    recorded, ``nvml_peak_processes`` and ``engine_awake_peaks``."""
     peaks = [p for p in (nvml.get("peak_used_bytes") or {}).values() if p is not None]
-    out["nvml_peak_gb"] = max(peaks) / 1e9 if peaks else None
-    out["nvml_error"] = nvml.get("error")
+    out = {"nvml_peak_gb": max(peaks) / 1e9 if peaks else None, "nvml_error": nvml.get("error")}
     if (by_process := peak_by_process(nvml)) is not None:  # runs recorded before it keep their report
         out["nvml_peak_processes"] = by_process
     if (awake := awake_peaks(nvml)) is not None:
         out["engine_awake_peaks"] = awake
-    spans = load_spans(run_dir / "spans")
-    spans, memory = [s for s in spans if s["name"] != MEMORY_SPAN], memory_around_update(spans)
-    by_step = steps_of(spans)
-    update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
-    later_steps = {r["step"] for r in later}
-    if memory:
-        out["update_memory"] = summarize_memory(memory, later_steps)
+    return out
+
+
+def _update_phases_by_step(by_step: Dict[int, List[dict]], update_by_step: Dict[int, Optional[float]]
+                           ) -> Tuple[Dict[int, List[Tuple[str, float, Dict[str, float]]]], Dict[int, float], List[str]]:
+    """The weight-update phases of each step (:func:`update_breakdown` of the spans of :func:`steps_of`,
+    then the slowest replica's sleep that ended the step's generation).
+
+    Returns:
+        (step -> phases, step -> the slowest replica's sleep in s, every phase and ``phase / child``
+        name in the order first seen).
+    """
     per_step_phases = {}
     sleep_by_step: Dict[int, float] = {}  # the slowest replica's sleep ending each step's gen, s
     order: List[str] = []
@@ -440,24 +515,24 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
             for n in [name] + [f"{name} / {k}" for k in kids]:
                 if n not in order:
                     order.append(n)
-    out["update_phases_per_step"] = {str(k): v for k, v in per_step_phases.items()}
+    return per_step_phases, sleep_by_step, order
+
+
+def _update_summary(per_step_phases: Dict[int, List[Tuple[str, float, Dict[str, float]]]], order: List[str],
+                    later_steps: Set[int]) -> dict:
+    """:func:`summarize_run`'s ``update_phases_per_step``, ``update_split``, ``update_phases`` and
+    ``update_phase_order`` (the statistics over ``later_steps``, the steps after the first)."""
     splits = [update_split(p) for k, p in sorted(per_step_phases.items())
               if k in later_steps and any(not name.startswith("gen: ") for name, _s, _k in p)]
-    out["update_split"] = {part: {"median": med(vals), "p90": p90(vals), "n": len(vals), "values": vals}
-                           for part, vals in (("verl", [v for v, _r in splits]), ("rollout", [r for _v, r in splits]))
-                           if vals}
     collected = _collect_phases({k: v for k, v in per_step_phases.items() if k in later_steps})
-    out["update_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in collected.items()}
-    out["update_phase_order"] = order
-    waits = [g - sleep_by_step[r["step"]] for r in later
-             if (g := _num(r.get("timing_s/gen"))) is not None and r["step"] in sleep_by_step]
-    if waits:
-        metrics[GEN_WAIT_KEY] = {"median": med(waits), "p90": p90(waits), "n": len(waits), "values": waits}
-    gen = {k: v for k, v in gen_breakdown(spans).items() if k in later_steps}
-    out["gen_phase_order"] = list(dict.fromkeys(label for phases in gen.values() for name, _s, kids in phases
-                                                 for label in [name] + [f"{name} / {k}" for k in kids]))
-    out["gen_phases"] = {k: {"median": med(v), "p90": p90(v), "n": len(v)} for k, v in _collect_phases(gen).items()}
-    return out
+    return {
+        "update_phases_per_step": {str(k): v for k, v in per_step_phases.items()},
+        "update_split": {part: _distribution(vals)
+                         for part, vals in (("verl", [v for v, _r in splits]), ("rollout", [r for _v, r in splits]))
+                         if vals},
+        "update_phases": _phase_stats(collected),
+        "update_phase_order": order,
+    }
 
 
 # ------------------------------------------------------------------------------------ comparison

@@ -41,7 +41,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 from . import task
 
@@ -238,41 +238,148 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
         ValueError: ``lora_base`` is not one of :data:`LORA_BASE_MODES`, or ``lora_rank`` < 0.
     """
     import torch
-    from tqdm import tqdm
 
-    from ..config import RolloutConfig, lora_settings_from_peft
-    from ..memory import MemoryTimeline
-    from ..weight_sync.lora import build_adapter_payload
-    from ..weight_sync.manifest import SyncValidationError
-    from ..worker import RolloutWorker
-    from ..workloads import gpu_engine_flags
     from . import plots
-    from .grpo import group_advantages
-    from .model import ModelSetupError, load_tokenizer, resolve_model
-    from .trainer import Trainer, pack
 
+    _check_lora_settings(cfg)
+    t_run = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    model_dir, tok, out = _prepare_run(cfg)
+    stop_ids = stop_token_ids(tok)
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    trainer = _make_trainer(cfg, model_dir, device)
+    rcfg = _rollout_config(cfg, model_dir, trainer)
+    if cfg.lora:  # refuse an adapter the engine could not serve before spending the engine's start on it
+        _check_adapter_servable(trainer, rcfg)
+    timeline = _StepTimeline()
+    worker, engine_start_s = _start_worker(rcfg, timeline, worker_factory)
+    first_adapter = _load_first_adapter(worker, trainer, timeline) if cfg.lora else None
+    state = _RunState.create(cfg, tok, trainer, worker, timeline, stop_ids)
+    rows, timeline_rows, failure = _run_steps(state, out)
+
+    png = plots.write_all(rows, timeline_rows, out)
+    summary = summarize(rows, time.perf_counter() - t_run, engine_start_s, cfg, png, str(model_dir))
+    if cfg.lora:
+        summary.update(_lora_summary(trainer, first_adapter))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if failure:
+        raise SyncCheckError(failure)
+    return summary
+
+
+class _StepTimeline:
+    """The run's :class:`~sgl_rollout.memory.MemoryTimeline` and the step each of its records belongs to
+    (-1: start-up)."""
+
+    def __init__(self) -> None:
+        from ..memory import MemoryTimeline
+
+        self.timeline = MemoryTimeline()
+        self.record_step: List[int] = []  # step of each timeline record (-1: start-up)
+
+    def label(self, step: int) -> None:
+        """Give the records made since the last label (by the worker too) to ``step``."""
+        self.record_step.extend([step] * (len(self.timeline.records) - len(self.record_step)))
+
+    def mark(self, phase: str, step: int) -> None:
+        """Record ``phase`` of ``step``."""
+        self.label(step)  # records the worker made since the last mark belong to this step too
+        self.timeline.record(phase)
+        self.label(step)
+
+    def rows(self) -> List[dict]:
+        """The records as dicts, each with its ``step`` (``memory_timeline.json``)."""
+        return [dict(r, step=s) for r, s in zip(self.timeline.to_dicts(), self.record_step)]
+
+
+@dataclass
+class _RunState:
+    """What every step of a run uses: the settings, tokenizer, trainer, worker and timeline, the held-out
+    problems, the stream of training problems and the rollout's sampling parameters."""
+
+    cfg: DemoConfig
+    tok: object
+    trainer: object
+    worker: object
+    timeline: _StepTimeline
+    stop_ids: List[int]
+    eval_problems: List[task.Problem]
+    eval_ids: List[List[int]]
+    train_stream: Iterator[task.Problem]
+    sampling: dict
+
+    @classmethod
+    def create(cls, cfg: DemoConfig, tok, trainer, worker, timeline: _StepTimeline,
+               stop_ids: List[int]) -> "_RunState":
+        """The state of a run whose engine has started: its problems made, its sampling parameters set."""
+        eval_problems = task.make_problems(cfg.seed, cfg.eval_prompts, "eval", cfg.digits)
+        eval_ids = [task.prompt_ids(tok, p) for p in eval_problems]
+        train_stream = task.iter_problems(cfg.seed, "train", cfg.digits)
+        sampling = {"temperature": cfg.temperature, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                    "max_new_tokens": cfg.max_new_tokens, "stop_token_ids": stop_ids}
+        return cls(cfg, tok, trainer, worker, timeline, stop_ids, eval_problems, eval_ids, train_stream, sampling)
+
+    @property
+    def lora_path(self) -> Optional[str]:
+        """The adapter every generate names (None: full fine-tuning)."""
+        return ADAPTER_NAME if self.cfg.lora else None
+
+    @property
+    def gen_kw(self) -> dict:
+        """Extra keyword arguments of the rollout's generate."""
+        return {"lora_path": self.lora_path} if self.cfg.lora else {}
+
+
+def _check_lora_settings(cfg: DemoConfig) -> None:
+    """Refuse a negative ``lora_rank`` and, for a LoRA run, an unknown ``lora_base`` (ValueError)."""
     if cfg.lora_rank < 0:
         raise ValueError(f"lora_rank must be >= 0, got {cfg.lora_rank}")
     if cfg.lora and cfg.lora_base not in LORA_BASE_MODES:
         raise ValueError(f"lora_base must be one of {LORA_BASE_MODES}, got {cfg.lora_base!r}")
-    t_run = time.perf_counter()
-    torch.manual_seed(cfg.seed)
+
+
+def _prepare_run(cfg: DemoConfig) -> Tuple[Path, "object", Path]:
+    """Find (or convert) the model, load its tokenizer, create the run folder and write ``config.json``.
+
+    Returns:
+        (model folder, tokenizer, run folder).
+    """
+    from .model import load_tokenizer, resolve_model
+
     model_dir = resolve_model(cfg.model, cfg.gguf, cfg.cache_dir)
     tok = load_tokenizer(model_dir)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dict(asdict(cfg), model_dir=str(model_dir)), indent=1, default=list))
-    stop_ids = stop_token_ids(tok)
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    return model_dir, tok, out
+
+
+def _make_trainer(cfg: DemoConfig, model_dir: Path, device):
+    """The run's :class:`~sgl_rollout.demo.trainer.Trainer` on ``device``.
+
+    Raises:
+        ModelSetupError: (LoRA) peft found none of the adapter's target modules in the model.
+    """
+    from .model import ModelSetupError
+    from .trainer import Trainer
+
     try:
-        trainer = Trainer(str(model_dir), device, lr=cfg.lr, temperature=cfg.temperature, clip_eps=cfg.clip_eps,
-                          kl_coef=cfg.kl_coef, micro_batch=cfg.micro_batch, mini_batches=cfg.mini_batches,
-                          seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                          lora_targets=cfg.lora_targets)
+        return Trainer(str(model_dir), device, lr=cfg.lr, temperature=cfg.temperature, clip_eps=cfg.clip_eps,
+                       kl_coef=cfg.kl_coef, micro_batch=cfg.micro_batch, mini_batches=cfg.mini_batches,
+                       seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                       lora_targets=cfg.lora_targets)
     except ValueError as e:  # peft found none of the LoRA targets in this model
         if not cfg.lora:
             raise
         raise ModelSetupError(f"cannot put a LoRA adapter on {model_dir}: {e}") from None
+
+
+def _rollout_config(cfg: DemoConfig, model_dir: Path, trainer):
+    """The engine's :class:`~sgl_rollout.config.RolloutConfig`: the GPU engine flags (CUDA graphs up to the
+    batch), ``cfg.engine_kwargs`` over them, and for a LoRA run the trainer's adapter settings."""
+    from ..config import RolloutConfig, lora_settings_from_peft
+    from ..workloads import gpu_engine_flags
+
     batch_size = cfg.prompts * cfg.samples
     engine_kwargs = dict(gpu_engine_flags())
     engine_kwargs.setdefault("cuda_graph_max_bs", min(256, max(8, batch_size)))
@@ -280,165 +387,225 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
     lora_kw = {}
     if cfg.lora:
         lora_kw = lora_settings_from_peft(trainer.peft_config)
-    rcfg = RolloutConfig(model_path=str(model_dir), dtype="bfloat16", gpu_memory_utilization=cfg.mem_fraction,
+    return RolloutConfig(model_path=str(model_dir), dtype="bfloat16", gpu_memory_utilization=cfg.mem_fraction,
                          sleep_level=cfg.sleep_level, update_weights_bucket_megabytes=cfg.bucket_mb,
                          fast_sync=cfg.fast_sync, max_num_seqs=max(batch_size, cfg.eval_prompts),
                          engine_kwargs=engine_kwargs, **lora_kw)
-    lora_path = ADAPTER_NAME if cfg.lora else None
-    gen_kw = {"lora_path": lora_path} if cfg.lora else {}
-    if cfg.lora:  # refuse an adapter the engine could not serve before spending the engine's start on it
-        try:
-            build_adapter_payload(trainer.adapter_state_dict(), trainer.peft_config, engine_config=rcfg)
-        except SyncValidationError as e:
-            raise ModelSetupError(f"the LoRA adapter cannot be served: {e}") from None
-    timeline = MemoryTimeline()
-    record_step: List[int] = []  # step of each timeline record (-1: start-up)
 
-    def label(step: int) -> None:
-        record_step.extend([step] * (len(timeline.records) - len(record_step)))
 
-    def mark(phase: str, step: int) -> None:
-        label(step)  # records the worker made since the last mark belong to this step too
-        timeline.record(phase)
-        label(step)
+def _check_adapter_servable(trainer, rcfg) -> None:
+    """Refuse (ModelSetupError) a LoRA adapter the engine of ``rcfg`` could not serve."""
+    from ..weight_sync.lora import build_adapter_payload
+    from ..weight_sync.manifest import SyncValidationError
+    from .model import ModelSetupError
+
+    try:
+        build_adapter_payload(trainer.adapter_state_dict(), trainer.peft_config, engine_config=rcfg)
+    except SyncValidationError as e:
+        raise ModelSetupError(f"the LoRA adapter cannot be served: {e}") from None
+
+
+def _start_worker(rcfg, timeline: _StepTimeline, worker_factory) -> Tuple["object", float]:
+    """Start the rollout worker (``worker_factory``'s, else a real one); its records go to start-up.
+
+    Returns:
+        (worker, seconds its start took).
+    """
+    from ..worker import RolloutWorker
 
     t_engine = time.perf_counter()
     if worker_factory is None:
-        worker = RolloutWorker(rcfg, timeline=timeline)
+        worker = RolloutWorker(rcfg, timeline=timeline.timeline)
     else:
-        worker = worker_factory(rcfg, timeline)
-    label(-1)
-    engine_start_s = time.perf_counter() - t_engine
-    first_adapter = None
-    if cfg.lora:  # the initial adapter (PEFT starts lora_B at zero: the base's outputs), so step 0 uses it too
-        try:
-            first_adapter = worker.update_adapter(trainer.adapter_state_dict(), trainer.peft_config,
-                                                  base_weights=trainer.base_named_parameters, name=ADAPTER_NAME)
-        except BaseException:
-            worker.shutdown()
-            raise
-        label(-1)
+        worker = worker_factory(rcfg, timeline.timeline)
+    timeline.label(-1)
+    return worker, time.perf_counter() - t_engine
 
-    eval_problems = task.make_problems(cfg.seed, cfg.eval_prompts, "eval", cfg.digits)
-    eval_ids = [task.prompt_ids(tok, p) for p in eval_problems]
-    train_stream = task.iter_problems(cfg.seed, "train", cfg.digits)
-    sampling = {"temperature": cfg.temperature, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
-                "max_new_tokens": cfg.max_new_tokens, "stop_token_ids": stop_ids}
+
+def _load_first_adapter(worker, trainer, timeline: _StepTimeline):
+    """Load the initial adapter (PEFT starts lora_B at zero: the base's outputs), so step 0 uses it too;
+    the worker is shut down when that fails. Returns its sync's stats."""
+    try:
+        first_adapter = worker.update_adapter(trainer.adapter_state_dict(), trainer.peft_config,
+                                              base_weights=trainer.base_named_parameters, name=ADAPTER_NAME)
+    except BaseException:
+        worker.shutdown()
+        raise
+    timeline.label(-1)
+    return first_adapter
+
+
+def _run_steps(state: _RunState, out: Path) -> Tuple[List[dict], List[dict], Optional[str]]:
+    """Run the steps and the final evaluation, each row written to ``metrics.jsonl`` and logged as it
+    ends; stop after a failed sync check. Whatever happens, ``memory_timeline.json`` is written and the
+    worker shut down.
+
+    Returns:
+        (rows, timeline rows, the sync check's failure or None).
+    """
+    from tqdm import tqdm
+
+    cfg = state.cfg
     rows: List[dict] = []
     metrics_f = open(out / "metrics.jsonl", "w", encoding="utf-8")
     bar = tqdm(total=cfg.steps, desc="GRPO", unit="step", disable=not cfg.progress, dynamic_ncols=True)
     failure: Optional[str] = None
     try:
         for step in range(cfg.steps + 1):
-            final = step == cfg.steps  # evaluation of the final weights, no training
-            t_step = time.perf_counter()
-            first_rec = len(timeline.records)
-            row: dict = {"step": step, "final": final}
-
-            eval_acc = None
-            if step % cfg.eval_every == 0 or final:
-                eval_acc = evaluate(worker, tok, eval_problems, eval_ids, cfg.max_new_tokens, stop_ids, lora_path)
-                mark("eval", step)
-            row["eval_acc"] = eval_acc
-
-            problems = [next(train_stream) for _ in range(cfg.prompts)]
-            pids = [task.prompt_ids(tok, p) for p in problems]
-            t0 = time.perf_counter()
-            groups = worker.generate(pids, sampling, n=cfg.samples, **gen_kw)
-            gen_s = time.perf_counter() - t0
-            mark("generate", step)
-            gens = [g for grp in groups for g in grp]
-            texts = tok.batch_decode([g.output_ids for g in gens], skip_special_tokens=True)
-            answers = [p.answer for p in problems for _ in range(cfg.samples)]
-            rewards = torch.tensor([task.reward(t, a, g.finish_reason == "stop", cfg.format_weight)
-                                    for t, a, g in zip(texts, answers, gens)]).view(cfg.prompts, cfg.samples)
-            correct = [task.is_correct(t, a) for t, a in zip(texts, answers)]
-            n_tokens = sum(len(g.output_ids) for g in gens)
-            row.update(reward_mean=float(rewards.mean()), correct_frac=sum(correct) / len(correct),
-                       finished_frac=sum(g.finish_reason == "stop" for g in gens) / len(gens),
-                       response_len_mean=n_tokens / len(gens), rollout_tokens=n_tokens, rollout_s=gen_s,
-                       rollout_tokens_per_s=n_tokens / gen_s if gen_s > 0 else 0.0,
-                       sample=texts[0][:200])
-            adv = group_advantages(rewards).reshape(-1)
-            batch = pack([p for p in pids for _ in range(cfg.samples)],
-                         [g.output_ids if g.output_ids else stop_ids[:1] for g in gens],
-                         pad_id=tok.pad_token_id or 0)
-
-            # rollout -> train
-            t0 = time.perf_counter()
-            worker.sleep()
-            sleep_s = worker.last_phase_seconds.get("sleep", 0.0)
-            trainer.load()
-            mark("load_trainer", step)
-            row.update(sleep_ms=sleep_s * 1e3, to_train_ms=(time.perf_counter() - t0) * 1e3)
-
-            old_logp = trainer.logprobs(batch)
-            eng_lp, valid = engine_logprob_tensor(gens, tuple(batch.targets.shape))
-            valid &= batch.mask
-            if valid.any():
-                d = (old_logp - eng_lp).abs()[valid]
-                row.update(logprob_abs_diff=float(d.mean()), logprob_abs_diff_max=float(d.max()),
-                           logprob_checked_tokens=int(valid.sum()))
-            if cfg.check_sync and row.get("logprob_abs_diff", 0.0) > cfg.sync_tol:
-                failure = (f"step {step}: engine vs trainer logprob mean abs diff {row['logprob_abs_diff']:.4f} "
-                           f"> {cfg.sync_tol} (the engine does not run the trainer's weights)")
-
-            if not final:
-                ref_logp = trainer.ref_logprobs(batch)
-                mark("score", step)
-                ts = trainer.train(batch, adv, old_logp, ref_logp)
-                _finish_gpu_work()  # the optimizer step's kernels belong to training, not to the sync after it
-                mark("train", step)
-                row.update(loss=ts.loss, pg_loss=ts.pg_loss, kl=ts.kl, clip_frac=ts.clip_frac,
-                           log_ratio_abs=ts.log_ratio_abs, grad_norm=ts.grad_norm)
-                if cfg.lora:
-                    # the base travels only when the worker's rule says the engine lacks it
-                    ad = worker.update_adapter(trainer.adapter_state_dict(), trainer.peft_config,
-                                                base_weights=trainer.base_named_parameters,
-                                                offload_trainer=trainer.offload, name=ADAPTER_NAME)
-                    label(step)
-                    row.update(adapter_sync_row(ad))
-                else:
-                    stats = worker.update_weights(trainer.named_parameters(), offload_trainer=trainer.offload)
-                    label(step)
-                    row.update(sync_ms=stats.seconds * 1e3, sync_gb_per_s=stats.gb_per_s, sync_bytes=stats.bytes,
-                               sync_buckets=stats.n_buckets)
-                ph = worker.last_phase_seconds
-                row.update(switch_ms=ph.get("switch_total", 0.0) * 1e3, phase_ms={k: v * 1e3 for k, v in ph.items()})
-            else:
-                trainer.offload()
-                mark("offload_trainer", step)
-            recs = timeline.records[first_rec:]
-            row.update(peak_device_gib=_gib(max(r.used_bytes for r in recs)),
-                       trainer_peak_alloc_gib=_gib(max(r.peak_allocated_bytes for r in recs)),
-                       step_s=time.perf_counter() - t_step)
+            row, failure = _run_step(state, step)
             rows.append(row)
             metrics_f.write(json.dumps(row) + "\n")
             metrics_f.flush()
             bar.write(_fmt_line(row, cfg.steps, cfg.check_sync), file=sys.stdout)
-            if not final:
+            if not row["final"]:
                 bar.update(1)
             if failure:
                 break
     finally:
         bar.close()
         metrics_f.close()
-        label(len(rows))
-        timeline_rows = [dict(r, step=s) for r, s in zip(timeline.to_dicts(), record_step)]
+        state.timeline.label(len(rows))
+        timeline_rows = state.timeline.rows()
         (out / "memory_timeline.json").write_text(json.dumps(timeline_rows, indent=1))
-        worker.shutdown()
+        state.worker.shutdown()
+    return rows, timeline_rows, failure
 
-    png = plots.write_all(rows, timeline_rows, out)
-    summary = summarize(rows, time.perf_counter() - t_run, engine_start_s, cfg, png, str(model_dir))
-    if cfg.lora:
-        summary.update(lora_targets=sorted(trainer.peft_config.target_modules),
-                       lora_alpha=float(trainer.peft_config.lora_alpha),
-                       trainable_params=trainer.trainable_parameters(),
-                       first_adapter=adapter_sync_row(first_adapter) if first_adapter is not None else None)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    if failure:
-        raise SyncCheckError(failure)
-    return summary
+
+def _run_step(state: _RunState, step: int) -> Tuple[dict, Optional[str]]:
+    """One step (the module docstring); step ``cfg.steps`` evaluates the final weights, no training.
+
+    Returns:
+        (the step's row of ``metrics.jsonl``, the sync check's failure or None).
+    """
+    cfg, trainer, timeline = state.cfg, state.trainer, state.timeline
+    final = step == cfg.steps  # evaluation of the final weights, no training
+    t_step = time.perf_counter()
+    first_rec = len(timeline.timeline.records)
+    row: dict = {"step": step, "final": final}
+
+    eval_acc = None
+    if step % cfg.eval_every == 0 or final:
+        eval_acc = evaluate(state.worker, state.tok, state.eval_problems, state.eval_ids, cfg.max_new_tokens,
+                            state.stop_ids, state.lora_path)
+        timeline.mark("eval", step)
+    row["eval_acc"] = eval_acc
+
+    gens, batch, adv = _rollout(state, step, row)
+    _rollout_to_train(state, step, row)
+    old_logp = trainer.logprobs(batch)
+    failure = _check_logprobs(cfg, step, row, old_logp, gens, batch)
+    if not final:
+        _train_and_sync(state, step, row, batch, adv, old_logp)
+    else:
+        trainer.offload()
+        timeline.mark("offload_trainer", step)
+    recs = timeline.timeline.records[first_rec:]
+    row.update(peak_device_gib=_gib(max(r.used_bytes for r in recs)),
+               trainer_peak_alloc_gib=_gib(max(r.peak_allocated_bytes for r in recs)),
+               step_s=time.perf_counter() - t_step)
+    return row, failure
+
+
+def _rollout(state: _RunState, step: int, row: dict):
+    """Sample ``cfg.samples`` completions of ``cfg.prompts`` new problems, score them and add the rollout's
+    figures to ``row``.
+
+    Returns:
+        (the generations in batch order, the packed batch, the GRPO advantages).
+    """
+    import torch
+
+    from .grpo import group_advantages
+    from .trainer import pack
+
+    cfg, tok = state.cfg, state.tok
+    problems = [next(state.train_stream) for _ in range(cfg.prompts)]
+    pids = [task.prompt_ids(tok, p) for p in problems]
+    t0 = time.perf_counter()
+    groups = state.worker.generate(pids, state.sampling, n=cfg.samples, **state.gen_kw)
+    gen_s = time.perf_counter() - t0
+    state.timeline.mark("generate", step)
+    gens = [g for grp in groups for g in grp]
+    texts = tok.batch_decode([g.output_ids for g in gens], skip_special_tokens=True)
+    answers = [p.answer for p in problems for _ in range(cfg.samples)]
+    rewards = torch.tensor([task.reward(t, a, g.finish_reason == "stop", cfg.format_weight)
+                            for t, a, g in zip(texts, answers, gens)]).view(cfg.prompts, cfg.samples)
+    correct = [task.is_correct(t, a) for t, a in zip(texts, answers)]
+    n_tokens = sum(len(g.output_ids) for g in gens)
+    row.update(reward_mean=float(rewards.mean()), correct_frac=sum(correct) / len(correct),
+               finished_frac=sum(g.finish_reason == "stop" for g in gens) / len(gens),
+               response_len_mean=n_tokens / len(gens), rollout_tokens=n_tokens, rollout_s=gen_s,
+               rollout_tokens_per_s=n_tokens / gen_s if gen_s > 0 else 0.0,
+               sample=texts[0][:200])
+    adv = group_advantages(rewards).reshape(-1)
+    batch = pack([p for p in pids for _ in range(cfg.samples)],
+                 [g.output_ids if g.output_ids else state.stop_ids[:1] for g in gens],
+                 pad_id=tok.pad_token_id or 0)
+    return gens, batch, adv
+
+
+def _rollout_to_train(state: _RunState, step: int, row: dict) -> None:
+    """Put the engine to sleep and bring the trainer back; their times go to ``row``."""
+    t0 = time.perf_counter()
+    state.worker.sleep()
+    sleep_s = state.worker.last_phase_seconds.get("sleep", 0.0)
+    state.trainer.load()
+    state.timeline.mark("load_trainer", step)
+    row.update(sleep_ms=sleep_s * 1e3, to_train_ms=(time.perf_counter() - t0) * 1e3)
+
+
+def _check_logprobs(cfg: DemoConfig, step: int, row: dict, old_logp, gens, batch) -> Optional[str]:
+    """Add the engine-vs-trainer logprob difference of the batch's tokens to ``row`` (module docstring).
+
+    Returns:
+        with ``cfg.check_sync``, the failure message of a difference above ``cfg.sync_tol``; else None.
+    """
+    eng_lp, valid = engine_logprob_tensor(gens, tuple(batch.targets.shape))
+    valid &= batch.mask
+    if valid.any():
+        d = (old_logp - eng_lp).abs()[valid]
+        row.update(logprob_abs_diff=float(d.mean()), logprob_abs_diff_max=float(d.max()),
+                   logprob_checked_tokens=int(valid.sum()))
+    if cfg.check_sync and row.get("logprob_abs_diff", 0.0) > cfg.sync_tol:
+        return (f"step {step}: engine vs trainer logprob mean abs diff {row['logprob_abs_diff']:.4f} "
+                f"> {cfg.sync_tol} (the engine does not run the trainer's weights)")
+    return None
+
+
+def _train_and_sync(state: _RunState, step: int, row: dict, batch, adv, old_logp) -> None:
+    """Score the batch under the reference policy, train on it, then sync the new weights (LoRA: the
+    adapter) into the engine, offloading the trainer; the training and sync figures go to ``row``."""
+    trainer, worker, timeline = state.trainer, state.worker, state.timeline
+    ref_logp = trainer.ref_logprobs(batch)
+    timeline.mark("score", step)
+    ts = trainer.train(batch, adv, old_logp, ref_logp)
+    _finish_gpu_work()  # the optimizer step's kernels belong to training, not to the sync after it
+    timeline.mark("train", step)
+    row.update(loss=ts.loss, pg_loss=ts.pg_loss, kl=ts.kl, clip_frac=ts.clip_frac,
+               log_ratio_abs=ts.log_ratio_abs, grad_norm=ts.grad_norm)
+    if state.cfg.lora:
+        # the base travels only when the worker's rule says the engine lacks it
+        ad = worker.update_adapter(trainer.adapter_state_dict(), trainer.peft_config,
+                                   base_weights=trainer.base_named_parameters,
+                                   offload_trainer=trainer.offload, name=ADAPTER_NAME)
+        timeline.label(step)
+        row.update(adapter_sync_row(ad))
+    else:
+        stats = worker.update_weights(trainer.named_parameters(), offload_trainer=trainer.offload)
+        timeline.label(step)
+        row.update(sync_ms=stats.seconds * 1e3, sync_gb_per_s=stats.gb_per_s, sync_bytes=stats.bytes,
+                   sync_buckets=stats.n_buckets)
+    ph = worker.last_phase_seconds
+    row.update(switch_ms=ph.get("switch_total", 0.0) * 1e3, phase_ms={k: v * 1e3 for k, v in ph.items()})
+
+
+def _lora_summary(trainer, first_adapter) -> dict:
+    """The summary's LoRA figures: the adapter's targets, alpha and trainable parameters, and the first
+    adapter's sync (:func:`adapter_sync_row`)."""
+    return dict(lora_targets=sorted(trainer.peft_config.target_modules),
+                lora_alpha=float(trainer.peft_config.lora_alpha),
+                trainable_params=trainer.trainable_parameters(),
+                first_adapter=adapter_sync_row(first_adapter) if first_adapter is not None else None)
 
 
 def adapter_sync_row(st) -> dict:
