@@ -131,7 +131,7 @@ def test_tp2_replica_over_two_nodes(two_nodes):
     _sync(leader, workers, cfg.bucket_bytes)
     assert _greedy(leader) == synced
     pids = ray.get(hosts[0].child_pids.remote()) + ray.get(leader.__ray_call__.remote(
-        lambda self: self.worker.engine._child_pids))
+        lambda self: self.engine._child_pids))
     ray.get(leader.shutdown.remote(), timeout=120)
     time.sleep(2)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]

@@ -53,7 +53,7 @@ def test_tp2_engine_through_ray_syncs_from_two_workers(cluster):
     server = launch_rollout_server(cfg, devices, actor_cls=RolloutServer)
     ray.get(server.start.remote())
     # SGLang's tokenizer manager runs on the actor's own loop (RolloutServer.engine_loop), not a thread of the engine
-    assert ray.get(server.__ray_call__.remote(lambda self: self.worker.engine._loop_thread is None))
+    assert ray.get(server.__ray_call__.remote(lambda self: self.engine._loop_thread is None))
     env = ray.get(server.env.remote())
     assert env["CUDA_VISIBLE_DEVICES"] == devices and env["SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"] == "0"
 
