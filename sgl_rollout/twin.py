@@ -57,24 +57,32 @@ class Step:
         return cls(pair[0], pair[1], args)
 
 
+_END = object()
+
+
+def _advance(body: Body, value: Any, error: Optional[BaseException]) -> Tuple[Any, Any]:
+    """Resume ``body`` with a step's value or error: ``(next step, None)``, or ``(_END, its result)``."""
+    try:
+        return (body.throw(error) if error is not None else body.send(value)), None
+    except StopIteration as stop:
+        return _END, stop.value
+
+
 def run_sync(body: Body) -> Any:
     """Run ``body`` to its end, blocking on each step; returns its return value.
 
     Raises:
         whatever the body raises, including a step's error the body did not catch.
     """
-    value: Any = None
-    error: Optional[BaseException] = None
+    value, error = None, None
     while True:
+        step, result = _advance(body, value, error)
+        if step is _END:
+            return result
         try:
-            step = body.throw(error) if error is not None else body.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
-        try:
-            value = step.sync(*step.args)
+            value, error = step.sync(*step.args), None
         except BaseException as exc:  # noqa: BLE001 - thrown into the body, which decides
-            error = exc
+            value, error = None, exc
 
 
 async def run_async(body: Body) -> Any:
@@ -83,20 +91,17 @@ async def run_async(body: Body) -> Any:
     Raises:
         whatever the body raises, including a step's error (CancelledError too) the body did not catch.
     """
-    value: Any = None
-    error: Optional[BaseException] = None
+    value, error = None, None
     while True:
+        step, result = _advance(body, value, error)
+        if step is _END:
+            return result
         try:
-            step = body.throw(error) if error is not None else body.send(value)
-        except StopIteration as stop:
-            return stop.value
-        value, error = None, None
-        try:
-            value = step.async_(*step.args)
+            value, error = step.async_(*step.args), None
             if inspect.isawaitable(value):
                 value = await value
         except BaseException as exc:  # noqa: BLE001 - thrown into the body, which decides
-            error = exc
+            value, error = None, exc
 
 
 def twin(body_fn: Callable[..., Body], before_sync: Optional[Callable[[Any], None]] = None,

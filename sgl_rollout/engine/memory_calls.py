@@ -45,6 +45,15 @@ class MemoryCalls:
             self._last_op = fut
         return fut
 
+    def _memory_op(self, op: str, tags: Optional[Sequence[str]]):
+        """The body of a release (``op="release"``) or a resume: settle, check and claim the transition,
+        send it, wait for SGLang's answer (which commits it)."""
+        yield from self._settle()
+        released = op == "release"
+        tags = self.state.begin_release(tags) if released else self.state.begin_resume(tags)
+        yield self.waiting(self._start_op(op, tags, released=released))
+        return tags
+
     def _release(self, tags: Optional[Sequence[str]] = None):
         """Release the memory of ``tags`` (None: all of this engine's tags).
 
@@ -56,10 +65,7 @@ class MemoryCalls:
                 operation is in progress. Nothing reaches the engine then, so it keeps serving.
             EngineDeadError, EngineClosedError: as every call.
         """
-        yield from self._settle()
-        tags = self.state.begin_release(tags)
-        yield self.waiting(self._start_op("release", tags, released=True))
-        return tags
+        return (yield from self._memory_op("release", tags))
 
     release, async_release = twin(_release, before_sync=EngineCore._check_not_on_loop)
 
@@ -74,10 +80,7 @@ class MemoryCalls:
                 Nothing reaches the engine then.
             EngineDeadError, EngineClosedError: as every call.
         """
-        yield from self._settle()
-        tags = self.state.begin_resume(tags)
-        yield self.waiting(self._start_op("resume", tags, released=False))
-        return tags
+        return (yield from self._memory_op("resume", tags))
 
     resume, async_resume = twin(_resume, before_sync=EngineCore._check_not_on_loop)
 
