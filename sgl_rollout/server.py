@@ -307,7 +307,7 @@ class RolloutServer:
             return []
         self._engine  # noqa: B018 - raises when the engine has not started
         tags = await self.switch.async_sleep()
-        if tags and self.layout is not None:  # one node: the worker's timeline has it, without NVML's cost here
+        if tags and self.layout is not None:  # a replica over nodes: every node's GPUs (one node: no NVML cost here)
             await self.memory_by_node("sleep")
         return tags
 

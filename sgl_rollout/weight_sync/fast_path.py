@@ -24,7 +24,7 @@ from .manifest import SyncValidationError
 from .plan import (OK, STATUS_BYTES, STATUS_NAME, Chunk, bucket_size, decode_header, dtype_name, dtype_of, header_name,
                    layout, manifest_entries, plan_id)
 from .flattened_bucket import raise_on_failure
-from .protocol import SyncStats
+from .protocol import SyncStats, bucket_rounds
 
 logger = logging.getLogger(__name__)
 
@@ -313,52 +313,79 @@ class FastPathSender:
         return stats
 
     def _send_load(self, named_tensors, validator, group_of=None) -> SyncStats:
+        """Op ``load``: each bucket of :func:`~.bucket.iter_buckets` flattened into every served rank's
+        buffer, SGLang's ``load_weights`` on views of it; the protocol's bucket rounds
+        (:func:`~.protocol.bucket_rounds`, inside the caller's sync fence)."""
         stats = SyncStats()
         model_bytes = self._manifest_bytes()
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes, validator=validator, group_of=group_of):
-            headers, bufs = [], []
+        buckets = iter_buckets(named_tensors, self.bucket_bytes, validator=validator, group_of=group_of)
+
+        def next_round(_b: int) -> list:
+            bucket = next(buckets, None)
+            if bucket is None:
+                return [None] * len(self.tp_ranks)
             _, total = bucket_layout(bucket)
             # one buffer of min(bucket, model) bytes for the whole sync: a buffer replaced while the
             # engine still holds its handle is not freed, so growing it per bucket would double the peak
             size = max(total, min(self.bucket_bytes, model_bytes))
+            out = []
             for i in range(len(self.tp_ranks)):
                 flat = flatten_bucket(bucket, device=self.devices[i], out=self._mem.buffer(i, size))
-                headers.append(dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx, m.end_idx]
-                                                     for m in flat.metadata]))
-                bufs.append(self._buffers[i])
-            self._call(headers, bufs)
-            stats.add(flat)
+                out.append((dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx,
+                                                   m.end_idx] for m in flat.metadata]), self._buffers[i], flat))
+            return out
+
+        def load(payloads: list, _b: int) -> None:
+            self._call([h for h, _, _ in payloads], [buf for _, buf, _ in payloads])
+            stats.add(payloads[-1][2])
+
+        bucket_rounds(begin=lambda: None, next_round=next_round, load=load, finish=lambda ok: None)
         return stats
 
     def _manifest_bytes(self) -> int:
         return sum((spec.nbytes + ALIGN - 1) // ALIGN * ALIGN for spec in self.manifest.specs.values())
 
+    def _gather_rank(self, i: int, r: int, b: int, feed: "_SourceFeed") -> Tuple[dict, Optional[torch.Tensor]]:
+        """Served rank ``i`` (engine TP rank ``r``)'s header and buffer for plan bucket ``b``: the bucket
+        gathered from ``feed``'s sources into its buffer, or a no-op for a rank whose plan has fewer
+        buckets."""
+        prog = self._program
+        ops = prog.ops[r]
+        if b >= len(ops):
+            return dict(op="copy", plan_id=self._plan_ids[i], bucket=-1), None
+        t_alloc = time.perf_counter()
+        buf = self._mem.buffer(i, prog.buffer_bytes[r])
+        t_copy = self._tick("gather.alloc", t_alloc)
+        _gather(ops[b], feed.held, buf, lambda srcs: self._mem.dsts(i, b, buf, ops[b], srcs), self.gather)
+        self._tick("gather.copy", t_copy)
+        return dict(op="copy", plan_id=self._plan_ids[i], bucket=b), buf
+
     def _send_plan(self, named_tensors, validator) -> SyncStats:
+        """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
+        the engine; the protocol's bucket rounds (:func:`~.protocol.bucket_rounds`), a source dropped
+        once the bucket with its last piece was loaded."""
         prog = self._program
         feed = _SourceFeed(named_tensors, validator, prog.last_use)
         stats = SyncStats()
-        for b in range(prog.n_buckets):
+
+        def next_round(b: int) -> list:
+            if b >= prog.n_buckets:
+                return [None] * len(self.tp_ranks)
             feed.take(b, prog.needed[b])
-            headers, bufs = [], []
-            for i, r in enumerate(self.tp_ranks):
-                ops = prog.ops[r]
-                if b >= len(ops):
-                    headers.append(dict(op="copy", plan_id=self._plan_ids[i], bucket=-1))
-                    bufs.append(None)
-                    continue
-                t_alloc = time.perf_counter()
-                buf = self._mem.buffer(i, prog.buffer_bytes[r])
-                t_copy = self._tick("gather.alloc", t_alloc)
-                _gather(ops[b], feed.held, buf, lambda srcs: self._mem.dsts(i, b, buf, ops[b], srcs), self.gather)
-                self._tick("gather.copy", t_copy)
-                headers.append(dict(op="copy", plan_id=self._plan_ids[i], bucket=b))
-                bufs.append(buf)
-            self._call(headers, bufs)
+            return [self._gather_rank(i, r, b, feed) for i, r in enumerate(self.tp_ranks)]
+
+        def load(payloads: list, b: int) -> None:
+            self._call([h for h, _ in payloads], [buf for _, buf in payloads])
             stats.n_buckets += 1
             stats.bytes += prog.bytes_rank0[b]
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, *(x.numel() for x in self._buffers if x is not None))
             feed.drop(prog.drop_after[b])
-        feed.finish()
+
+        def finish(ok: bool) -> None:
+            if ok:
+                feed.finish()
+
+        bucket_rounds(begin=lambda: None, next_round=next_round, load=load, finish=finish)
         stats.n_tensors = feed.seen
         return stats
 
