@@ -1,8 +1,22 @@
 """sgl-rollout: an SGLang rollout worker for RL trainers that share GPUs with training.
 
-Modules: :mod:`.config` (settings), :mod:`.engine` (the SGLang engine, guarded),
-:mod:`.memory` (tag state, empty-cache, timeline), :mod:`.weight_sync` (bucketed CUDA-IPC sync),
-:mod:`.worker` (sleep and staged wake), :mod:`.bench` (benchmarks).
+Parts, by floor (a module imports its own floor and those below, never one above; ``tests/test_shape.py``
+checks it):
+
+0. :mod:`.config` (settings), :mod:`.errors` (errors several floors raise), :mod:`.memory` (tag state,
+   empty-cache, timeline), :mod:`.twin` (one call body, a blocking and an async face),
+   :mod:`.lora_adapter` (a LoRA adapter's config checks and payload), :mod:`.trace` (the public tracing
+   hook);
+1. :mod:`.engine`: the SGLang engine, every call checked before SGLang sees it, in parts (core, generate,
+   memory, weight and LoRA calls);
+2. :mod:`.switch`: the train-to-rollout switch (stages, sleep levels, the staged wake with hooks);
+3. :mod:`.weight_sync`: one sync protocol (bucket rounds), the choice of transport
+   (:class:`~.weight_sync.path.SyncPath`), the transports (flattened buckets, the copy-plan fast path);
+4. :mod:`.worker` (in process) and :mod:`.server` (a Ray actor): an engine and its switch;
+5. :mod:`.integrations`: verl;
+6. :mod:`.doctor` and :mod:`.workloads` (the models and tasks the demo and the benchmarks share).
+
+:mod:`.demo` and :mod:`.bench` sit on top, beside each other; neither imports the other.
 """
 
 import importlib.util as _ilu

@@ -8,7 +8,7 @@
 
 The same rules hold in-process (:class:`~sgl_rollout.worker.RolloutWorker`), across Ray actors
 (:func:`sgl_rollout.server.sync_weights_from_workers`) and in verl's trainer workers
-(:mod:`sgl_rollout.integrations.verl_adapter`, which pipelines the rounds: the engine loads bucket k while
+(:mod:`sgl_rollout.integrations.verl_weight_sync`, which pipelines the rounds: the engine loads bucket k while
 the ranks make bucket k+1):
 
 * every rank must run out of buckets in the same round; ranks that disagree fail the sync;
