@@ -216,12 +216,15 @@ class FakeSGLangEngine:
         self.dead, self.death_reason = True, "killed"
         os.kill(self.scheduler.pid, signal.SIGKILL)
 
-    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None, lora_path=None):
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None, lora_path=None,
+                             logprob_start_len=None, top_logprobs_num=None):
         await self._alive()
         rid = rid or [f"r{i}" for i in range(len(input_ids))]
         self.calls.append(("generate", len(input_ids)))
         self.last_sampling_params = dict(sampling_params)
         self.last_lora_path = lora_path
+        self.last_logprob_args = {k: v for k, v in (("logprob_start_len", logprob_start_len),
+                                                    ("top_logprobs_num", top_logprobs_num)) if v is not None}
         if self.released:
             await self._die("generate on released memory")
         for name in sorted({p for p in (lora_path or []) if p is not None}):
@@ -237,12 +240,16 @@ class FakeSGLangEngine:
                     await asyncio.sleep(0.002)
                     await self._alive()
             n = sampling_params.get("max_new_tokens", 2)
-            return [
+            outs = [
                 {"output_ids": [p[-1] + 1 + k for k in range(n)],
                  "meta_info": {"output_token_logprobs": [(-0.5, p[-1] + 1 + k, None) for k in range(n)],
                                "finish_reason": {"type": "abort" if r in self.aborted else "length"}}}
                 for p, r in zip(input_ids, rid)
             ]
+            if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
+                for p, out in zip(input_ids, outs):
+                    out["meta_info"].update(input_logprobs_meta(p, logprob_start_len, top_logprobs_num or 0))
+            return outs
         finally:
             self.running -= set(rid)
 
@@ -252,6 +259,28 @@ class FakeSGLangEngine:
 
 #: Older name kept for the tests that use it.
 FakeAsyncSGLangEngine = FakeSGLangEngine
+
+
+def fake_logprob(prev: int, tok: int) -> float:
+    """The double's "model": after token ``prev``, ``prev + 1 + d`` has logprob ``-0.5 - |d|`` (its greedy
+    next token, ``prev + 1`` at -0.5, is what it generates)."""
+    return -0.5 - abs(tok - prev - 1)
+
+
+def input_logprobs_meta(prompt, start: int, top: int) -> dict:
+    """``meta_info``'s prompt logprobs as SGLang 0.5.10 returns them (``scheduler_output_processor_mixin``
+    ``_process_input_token_logprobs`` / ``_process_input_top_logprobs``, ``tokenizer_manager``
+    ``detokenize_logprob_tokens``, text None): one ``(logprob, token id, None)`` per prompt position from
+    ``start``, the first with logprob None; with ``top`` > 0 also ``input_top_logprobs``: per position
+    the ``top`` likeliest ``(logprob, token id, None)``, best first, the first position None."""
+    meta = {"input_token_logprobs": [(None if i == start else fake_logprob(prompt[i - 1], prompt[i]), prompt[i], None)
+                                     for i in range(start, len(prompt))]}
+    if top > 0:
+        meta["input_top_logprobs"] = [None if i == start else
+                                      [(fake_logprob(prompt[i - 1], prompt[i - 1] + 1 + r), prompt[i - 1] + 1 + r, None)
+                                       for r in range(top)]
+                                      for i in range(start, len(prompt))]
+    return meta
 
 
 def hf_sample(model, prompt, sampling_params, generator):

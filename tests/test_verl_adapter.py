@@ -281,13 +281,14 @@ def test_verl_sequence(manager, tiny_model, monkeypatch):
     assert len(out.token_ids) == 64 - 60 - 1  # bounded by max_model_len
     with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
         ray.get(server.generate.remote([1], {"max_tokens": -1}, request_id="r5"))
-    with pytest.raises(NotImplementedError, match="prompt_logprobs"):
-        ray.get(server.generate.remote([1], {"prompt_logprobs": 0}, request_id="r6"))
+    # verl's teacher request (prompt logprobs): row j is prompt position j+1, the last row padding
+    out = ray.get(server.generate.remote([1, 2], {"prompt_logprobs": 0, "max_tokens": 1}, request_id="r6"))
+    assert out.extra_fields["prompt_ids"] == [[2], [0]] and out.extra_fields["prompt_logprobs"] == [[-0.5], [0.0]]
     with pytest.raises(NotImplementedError, match="audio"):
         ray.get(server.generate.remote([1], {}, request_id="r7", audio_data=[b"x"]))
 
     calls = ray.get(server.fake_calls.remote())[calls_before:]
-    assert [c[0] for c in calls] == ["release", "resume", "update_weights", "resume"] + ["generate"] * 5
+    assert [c[0] for c in calls] == ["release", "resume", "update_weights", "resume"] + ["generate"] * 6
     assert calls[0] == ("release", ("weights", "kv_cache"))
     assert calls[1] == ("resume", ("weights",)) and calls[3] == ("resume", ("kv_cache",))
     assert calls[2][1:3] == ("flattened_bucket", 1)

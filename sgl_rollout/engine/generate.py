@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..twin import twin
 from .core import EngineCore, sigint_deferred
@@ -23,11 +23,26 @@ class Generation:
         logprobs: log-probability (float, natural log) of each generated token under the engine's
             sampling distribution, same length as ``output_ids``; empty if not requested.
         finish_reason: SGLang's finish reason type, e.g. ``"length"`` or ``"stop"``.
+        prompt_logprobs: with ``logprob_start_len=s`` (see :meth:`GenerateCalls.generate`), one entry per
+            prompt position ``i = s .. len(prompt) - 1``: ``log p(prompt[i] | prompt[:i])`` (float, natural
+            log of the model's softmax: SGLang 0.5.10 scales prompt logprobs by no temperature or top_p);
+            the first entry is None (SGLang's ``meta_info["input_token_logprobs"]``, whose first entry has
+            no logprob). Length ``len(prompt) - s``. Empty if not requested.
+        prompt_token_ids: the token id (int) of each entry of ``prompt_logprobs``: ``prompt[s:]`` as
+            SGLang reports it (an id >= the model's ``vocab_size - 1`` as 0), same length. Empty if not
+            requested.
+        prompt_top_logprobs: with ``top_logprobs_num=k`` as well, one entry per entry of
+            ``prompt_logprobs``: the ``k`` most likely tokens at that position as ``(logprob, token id)``
+            pairs, most likely first (SGLang's ``meta_info["input_top_logprobs"]``); the first entry is
+            None. Empty if not requested.
     """
 
     output_ids: List[int]
     logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    prompt_logprobs: List[Optional[float]] = field(default_factory=list)
+    prompt_token_ids: List[int] = field(default_factory=list)
+    prompt_top_logprobs: List[Optional[List[Tuple[float, int]]]] = field(default_factory=list)
 
 
 class GenerateCalls:
@@ -38,7 +53,8 @@ class GenerateCalls:
     trip the scheduler's idle assertion.
     """
 
-    def _start_generate(self: EngineCore, input_ids, sampling_params, n, return_logprob, lora_path=None):
+    def _start_generate(self: EngineCore, input_ids, sampling_params, n, return_logprob, lora_path=None,
+                        logprob_args=None):
         batch = _expand(input_ids, n)
         self.check_alive()
         if lora_path is not None and not isinstance(lora_path, str):
@@ -49,7 +65,7 @@ class GenerateCalls:
             with sigint_deferred():  # counted and sent, or neither
                 self.state.admit_request()
                 try:
-                    extra = {}
+                    extra = dict(logprob_args or {})  # only when asked: SGLang's defaults otherwise
                     if lora_path is not None:
                         # read after admission: adapters change only inside a sync, which no request overlaps
                         extra["lora_path"] = [self._adapter_for_request(lora_path).sglang_name] * len(batch)
@@ -87,6 +103,8 @@ class GenerateCalls:
         n: int = 1,
         return_logprob: bool = True,
         lora_path: Optional[str] = None,
+        logprob_start_len: Optional[int] = None,
+        top_logprobs_num: int = 0,
     ):
         """Sample ``n`` completions for each prompt.
 
@@ -100,6 +118,12 @@ class GenerateCalls:
             return_logprob: also return each sampled token's log-probability.
             lora_path: name of a loaded LoRA adapter (``load_lora_adapter_from_tensors``) to apply;
                 None: the base weights alone.
+            logprob_start_len: also return the prompt's log-probabilities from this prompt position on
+                (:attr:`Generation.prompt_logprobs`; SGLang's ``logprob_start_len``, 0: every position).
+                Needs ``return_logprob``. None: none (SGLang's default, -1).
+            top_logprobs_num: with ``logprob_start_len``, also the ``k`` most likely tokens at each of
+                those prompt positions (:attr:`Generation.prompt_top_logprobs`; SGLang's
+                ``top_logprobs_num``). 0: none.
 
         Returns:
             B lists of ``n`` :class:`Generation` each, in prompt order.
@@ -108,12 +132,14 @@ class GenerateCalls:
             MemoryStateError: a memory region is released, a release/resume/sync is in progress, or the
                 last weight sync did not complete.
             EngineDeadError: the engine died (before or during the call); EngineClosedError: shut down.
-            ValueError: ``n`` < 1, an empty batch, or ``lora_path`` names no loaded adapter.
+            ValueError: ``n`` < 1, an empty batch, ``lora_path`` names no loaded adapter, or
+                ``logprob_start_len`` / ``top_logprobs_num`` out of range or without what they need.
             KeyboardInterrupt: re-raised after the batch's requests were aborted in SGLang.
         """
-        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path)
+        logprob_args = _prompt_logprob_args(input_ids, return_logprob, logprob_start_len, top_logprobs_num)
+        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path, logprob_args)
         outs = yield self.waiting(fut, lambda: self._abort(rids))
-        return _group(outs, n, return_logprob)
+        return _group(outs, n, return_logprob, logprob_start_len is not None, top_logprobs_num > 0)
 
     generate, async_generate = twin(_generate, before_sync=EngineCore._check_not_on_loop)
 
@@ -135,21 +161,54 @@ def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
     return [list(p) for p in input_ids for _ in range(n)]
 
 
-def _group(outs: List[Dict[str, Any]], n: int, with_logprob: bool) -> List[List[Generation]]:
+def _prompt_logprob_args(input_ids, return_logprob: bool, start: Optional[int], top: int) -> Dict[str, int]:
+    """SGLang's ``logprob_start_len`` / ``top_logprobs_num`` for a request of prompt logprobs (empty
+    when none is asked for, so SGLang keeps its defaults)."""
+    if start is None:
+        if top:
+            raise ValueError("top_logprobs_num needs logprob_start_len (the prompt positions to return them for)")
+        return {}
+    if not return_logprob:
+        raise ValueError("logprob_start_len needs return_logprob=True (SGLang ignores it otherwise)")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"logprob_start_len must be an int >= 0, got {start!r}")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 0:
+        raise ValueError(f"top_logprobs_num must be an int >= 0, got {top!r}")
+    short = [len(p) for p in input_ids if len(p) < start]
+    if short:  # SGLang's scheduler would abort the request with an error
+        raise ValueError(f"logprob_start_len={start} exceeds a prompt of {short[0]} tokens")
+    args = {"logprob_start_len": start}
+    if top:
+        args["top_logprobs_num"] = top
+    return args
+
+
+def _group(outs: List[Dict[str, Any]], n: int, with_logprob: bool, with_prompt: bool = False,
+           with_top: bool = False) -> List[List[Generation]]:
     if isinstance(outs, dict):  # SGLang returns a bare dict for a batch of one
         outs = [outs]
-    gens = [_to_generation(o, with_logprob) for o in outs]
+    gens = [_to_generation(o, with_logprob, with_prompt, with_top) for o in outs]
     return [gens[i : i + n] for i in range(0, len(gens), n)]
 
 
-def _to_generation(out: Dict[str, Any], with_logprob: bool) -> Generation:
+def _to_generation(out: Dict[str, Any], with_logprob: bool, with_prompt: bool = False,
+                   with_top: bool = False) -> Generation:
     meta = out.get("meta_info", {})
     finish = meta.get("finish_reason")
     logprobs: List[float] = []
     if with_logprob:
         logprobs = [float(lp) for lp, _tok, *_ in meta.get("output_token_logprobs", [])]
-    return Generation(
+    gen = Generation(
         output_ids=list(out["output_ids"]),
         logprobs=logprobs,
         finish_reason=finish.get("type") if isinstance(finish, dict) else finish,
     )
+    if with_prompt:
+        # SGLang 0.5.10 (tokenizer_manager.detokenize_logprob_tokens): (logprob, token id, text or None)
+        entries = meta.get("input_token_logprobs") or []
+        gen.prompt_logprobs = [None if lp is None else float(lp) for lp, _tok, *_ in entries]
+        gen.prompt_token_ids = [int(tok) for _lp, tok, *_ in entries]
+    if with_prompt and with_top:
+        gen.prompt_top_logprobs = [None if top is None else [(float(lp), int(tok)) for lp, tok, *_ in top]
+                                   for top in meta.get("input_top_logprobs") or []]
+    return gen

@@ -31,7 +31,8 @@ other node, hosting that node's SGLang schedulers (:meth:`SglRolloutReplica.laun
 
 Not supported (refused at start-up with the verl key to change, :mod:`.verl_config`):
 ``checkpoint_engine.backend=delta_sharded``, prefill/decode disaggregation, MTP rollout,
-routing replay, generative reward models, distillation teachers (prompt log-probabilities),
+routing replay, generative reward models, distillation teacher replicas (not yet run end to end
+here, though :meth:`VerlRolloutServer.generate` returns the ``prompt_logprobs`` a teacher asks for),
 image/audio/video inputs; with a LoRA adapter also FP8 rollout, regex ``target_modules`` and
 checkpoint-engine backends other than ``naive`` (they send the base only).
 """
@@ -125,6 +126,70 @@ def reserve_port(host: str = "") -> Tuple[socket.socket, int]:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.bind(("", 0))
     return sock, sock.getsockname()[1]
+
+
+# ======================================================================= prompt logprobs
+def _prompt_logprobs_arg(params: dict) -> Optional[int]:
+    """Pop verl's ``prompt_logprobs`` (vLLM's key: K top tokens per prompt position, 0: the prompt token
+    alone) from ``params``; with it, vLLM's ``detokenize`` too (the teacher sends ``detokenize=False``,
+    a key SGLang's ``SamplingParams`` refuses). None: not asked for.
+
+    Raises:
+        ValueError: K is not an int >= 0.
+    """
+    k = params.pop("prompt_logprobs", None)
+    if k is None:
+        return None
+    params.pop("detokenize", None)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"prompt_logprobs must be an int >= 0 (top tokens per prompt position), got {k!r}")
+    return k
+
+
+def teacher_prompt_logprobs(gen, k: int, prompt: List[int]) -> Dict[str, list]:
+    """The ``extra_fields`` verl's distillation teacher reads, from a generation asked for prompt logprobs
+    from position 0 (``logprob_start_len=0``, ``top_logprobs_num=k``).
+
+    verl's consumer (``AsyncTeacherLLMServerManager.compute_teacher_logprobs_single``,
+    ``verl/experimental/teacher_loop/teacher_manager.py``) turns them into
+    ``torch.tensor(prompt_ids, dtype=torch.int32)`` and ``torch.tensor(prompt_logprobs)`` (float32) and
+    asserts both have ``len(prompt)`` rows. The layout is vLLM's (``extract_prompt_logprobs``,
+    ``verl/workers/rollout/vllm_rollout/utils.py``), which verl's SGLang server reproduces
+    (``_extract_prompt_logprobs_sglang``, ``verl/workers/rollout/sglang_rollout/async_sglang_server.py``):
+
+    * ``"prompt_ids"``: ``[len(prompt)][max(k, 1)]`` ints; ``"prompt_logprobs"``: the same shape of floats
+      (natural log);
+    * row ``j < len(prompt) - 1`` is about prompt position ``j + 1``, predicted from ``prompt[:j + 1]``:
+      with ``k = 0`` the token ``prompt[j + 1]`` and its logprob; with ``k > 0`` the ``k`` most likely
+      tokens and their logprobs, most likely first (they need not contain ``prompt[j + 1]``);
+    * the last row is padding: ids 0, logprobs 0.0 (position 0 has no logprob: nothing predicts it).
+
+    With ``k = 0`` the ids are ``prompt``'s own (verl's server takes SGLang's, which are the same but for an
+    id >= ``vocab_size - 1``, reported as 0).
+
+    Raises:
+        RuntimeError: SGLang's prompt logprobs do not cover the prompt (e.g. a request aborted before its
+            prefill), or a position has not ``k`` top tokens.
+    """
+    prompt_len = len(prompt)
+    if len(gen.prompt_logprobs) != prompt_len or (k and len(gen.prompt_top_logprobs) != prompt_len):
+        raise RuntimeError(f"SGLang returned prompt logprobs for {len(gen.prompt_logprobs)} of {prompt_len} prompt "
+                           f"positions (top-{k}: {len(gen.prompt_top_logprobs)}; finish reason {gen.finish_reason!r})")
+    ids, logprobs = [], []
+    for pos in range(1, prompt_len):
+        if k == 0:
+            ids.append([int(prompt[pos])])
+            logprobs.append([float(gen.prompt_logprobs[pos])])
+            continue
+        top = gen.prompt_top_logprobs[pos] or []
+        if len(top) != k:
+            raise RuntimeError(f"SGLang returned {len(top)} top logprobs at prompt position {pos}, expected {k}")
+        ids.append([int(tok) for _lp, tok in top])
+        logprobs.append([float(lp) for lp, _tok in top])
+    if prompt_len:
+        ids.append([0] * max(k, 1))
+        logprobs.append([0.0] * max(k, 1))
+    return {"prompt_ids": ids, "prompt_logprobs": logprobs}
 
 
 # ======================================================================= server actor
@@ -242,20 +307,28 @@ class VerlRolloutServer(RolloutServer):
                 (``max_new_tokens`` wins and ``max_tokens`` never reaches SGLang). Without either,
                 ``min(response_length, prompt_length + response_length - len(prompt))`` (verl's
                 default). 0 generates nothing. Every count is bounded by ``max_model_len``.
+                ``prompt_logprobs=K`` (int >= 0; verl's distillation teacher,
+                ``verl/experimental/teacher_loop/teacher_manager.py``) also returns the prompt's
+                log-probabilities (:func:`teacher_prompt_logprobs`); vLLM's ``detokenize`` (sent with
+                it) is dropped, as SGLang's sampling params have no such key.
             request_id: verl's request id (for logs; SGLang gets its own).
 
         Returns:
-            ``TokenOutput`` with ``token_ids``, ``log_probs`` (None unless ``logprobs``),
+            ``TokenOutput`` with ``token_ids``, ``log_probs`` (None unless ``logprobs`` or
+            ``prompt_logprobs``, which need SGLang's ``return_logprob`` as in verl's server),
             ``stop_reason`` (SGLang's finish reason: ``"length"``, ``"stop"``, ``"abort"``) and
-            ``extra_fields["global_steps"]``: the trainer step whose weights the engine holds. A
+            ``extra_fields["global_steps"]``: the trainer step whose weights the engine holds; with
+            ``prompt_logprobs``, also ``extra_fields["prompt_ids"]`` and ``["prompt_logprobs"]``. A
             request arriving while :meth:`abort_all_requests` paused generation waits for
             :meth:`resume_generation` (SGLang's behaviour), or fails with ``reject_request=True``.
 
         Raises:
-            NotImplementedError: image, video or audio input, ``prompt_logprobs`` (verl's
-                distillation teacher), or any other argument this server does not serve.
-            ValueError: negative ``max_new_tokens``, or the prompt does not fit the context.
-            RuntimeError: paused with ``reject_request=True``.
+            NotImplementedError: image, video or audio input, or any other argument this server does
+                not serve.
+            ValueError: negative ``max_new_tokens`` or ``prompt_logprobs``, or the prompt does not fit
+                the context.
+            RuntimeError: paused with ``reject_request=True``; SGLang's prompt logprobs do not cover the
+                prompt (:func:`teacher_prompt_logprobs`).
             MemoryStateError, EngineDeadError, EngineClosedError: from the engine, unchanged.
         """
         if image_data or video_data or audio_data or mm_processor_kwargs:
@@ -265,21 +338,16 @@ class VerlRolloutServer(RolloutServer):
         if extra:
             raise NotImplementedError(f"sgl-rollout's generate does not take {extra}")
         params = dict(sampling_params)
-        if params.pop("prompt_logprobs", None) is not None:
-            raise NotImplementedError("prompt_logprobs (verl's distillation teacher) are not returned by sgl-rollout; "
-                                      f"use {VERL_BUILTIN} for the teacher")
-        return_logprob = bool(params.pop("logprobs", False))
+        top_k = _prompt_logprobs_arg(params)
+        return_logprob = bool(params.pop("logprobs", False)) or top_k is not None
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         params["max_new_tokens"] = self._max_new_tokens(params, len(ids))
         await self._admit()
         self._served["total"] += 1
         self._served["since_sleep"] += 1
-        lora_path = self._request_adapter()
-        if lora_path is None:
-            gen = (await self.generate_batch([ids], params, n=1, return_logprob=return_logprob))[0][0]
-        else:
-            gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
-                                                     lora_path=lora_path))[0][0]
+        prompt = {} if top_k is None else {"logprob_start_len": 0, "top_logprobs_num": top_k}
+        gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
+                                                 lora_path=self._request_adapter(), **prompt))[0][0]
         token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
         if return_logprob and len(log_probs) != len(token_ids):
             # SGLang can report a logprob without a token (max_new_tokens=0) or none on an abort;
@@ -287,8 +355,11 @@ class VerlRolloutServer(RolloutServer):
             logger.error("request %s: %d logprobs for %d tokens; returning none of either",
                          request_id, len(log_probs), len(token_ids))
             token_ids, log_probs = [], []
+        extra_fields = {"global_steps": self.global_steps}
+        if top_k is not None:
+            extra_fields.update(teacher_prompt_logprobs(gen, top_k, ids))
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=gen.finish_reason,
-                           extra_fields={"global_steps": self.global_steps})
+                           extra_fields=extra_fields)
 
     # -------------------------------------------------------------- LoRA adapter
     def _request_adapter(self) -> Optional[str]:
@@ -460,8 +531,9 @@ class SglRolloutReplica(RolloutReplica):
     other node when the replica spans nodes).
 
     Refuses at construction (verl builds replicas before any resources) what sgl-rollout does not
-    serve: generative reward models (their router posts HTTP to each replica), distillation teachers
-    (prompt log-probabilities), rl-insight metrics (HTTP), and the rollout features of
+    serve: generative reward models (their router posts HTTP to each replica), distillation teacher
+    replicas (not yet run end to end; their ``prompt_logprobs`` requests are served by
+    :meth:`VerlRolloutServer.generate`), rl-insight metrics (HTTP), and the rollout features of
     :func:`~.verl_config.check_verl_features`.
 
     Attributes:
@@ -488,9 +560,11 @@ class SglRolloutReplica(RolloutReplica):
                 f"reward.reward_model.rollout.name=vllm, or {VERL_BUILTIN}")
         if is_teacher_model:
             raise UnsupportedVerlFeature(
-                "distillation.teacher_models.<teacher>.inference.name='sglang': the teacher needs prompt "
-                "log-probabilities, which sgl-rollout does not return; set that inference.name=vllm, or "
-                f"{VERL_BUILTIN}")
+                "distillation.teacher_models.<teacher>.inference.name='sglang': sgl-rollout returns the prompt "
+                "log-probabilities a teacher asks for, but a teacher replica (started colocated on its own GPUs "
+                "from the teacher's model path, never synced) has not been run through sgl-rollout yet; set that "
+                "inference.name=vllm (verl 0.9.1's built-in SGLang server hands the teacher's detokenize=False "
+                "to SGLang 0.5.10's SamplingParams, which refuses it)")
         if os.environ.get("VERL_RL_INSIGHT_ENABLE") == "1":
             raise UnsupportedVerlFeature(
                 "VERL_RL_INSIGHT_ENABLE=1: rl-insight scrapes rollout metrics over HTTP from each replica's "
