@@ -282,6 +282,17 @@ class RolloutServer:
             raise RuntimeError("engine not started: call start() first")
         return self.engine
 
+    @property
+    def _switch(self):
+        """The engine's :class:`~sgl_rollout.switch.Switch`.
+
+        Raises:
+            RuntimeError: the engine has not started.
+        """
+        if self.switch is None:
+            raise RuntimeError("engine not started: call start() first")
+        return self.switch
+
     async def env(self) -> Dict[str, Optional[str]]:
         """The watched environment variables as this actor sees them (None: unset)."""
         return {k: os.environ.get(k) for k in WATCHED_ENV}
@@ -305,8 +316,7 @@ class RolloutServer:
         :meth:`Switch.sleep <sgl_rollout.switch.Switch.sleep>`)."""
         if not self.config.free_cache_engine:  # nothing to release (the switch's rule), started or not
             return []
-        self._engine  # noqa: B018 - raises when the engine has not started
-        tags = await self.switch.async_sleep()
+        tags = await self._switch.async_sleep()
         if tags and self.layout is not None:  # a replica over nodes: every node's GPUs (one node: no NVML cost here)
             await self.memory_by_node("sleep")
         return tags
@@ -328,8 +338,7 @@ class RolloutServer:
         Raises:
             ValueError: unknown stage.
         """
-        self._engine  # noqa: B018 - raises when the engine has not started
-        tags = await self.switch.async_resume_stage(stage)
+        tags = await self._switch.async_resume_stage(stage)
         if tags and self.layout is not None:
             await self.memory_by_node(f"resume_{stage}")
         return tags

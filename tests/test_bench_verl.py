@@ -358,7 +358,7 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
     from sgl_rollout.switch import Switch
 
     engine = Engine()
-    server = types.SimpleNamespace(_engine=engine, switch=Switch(engine, config=None), layout=None)
+    server = types.SimpleNamespace(_engine=engine, _switch=Switch(engine, config=None), layout=None)
     assert asyncio.run(RolloutServer.resume_stage(server, "kv_cache")) == ["kv_cache", "cuda_graph"]
     with pytest.raises(ValueError, match="unknown stage"):
         asyncio.run(RolloutServer.resume_stage(server, "optimizer"))

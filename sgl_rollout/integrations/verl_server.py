@@ -481,8 +481,7 @@ class VerlRolloutServer(RolloutServer):
         ``free_cache_engine`` is False (verl's server does the same)."""
         if not self.config.free_cache_engine:
             return []
-        self._engine  # noqa: B018 - raises when the engine has not started
-        return await self.switch.async_release_stage(KV_CACHE)
+        return await self._switch.async_release_stage(KV_CACHE)
 
     async def resume_kv_cache(self) -> List[str]:
         """Resume the KV cache (and CUDA-graph memory) if released."""
