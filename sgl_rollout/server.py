@@ -368,12 +368,18 @@ class RolloutServer:
 
         ``ok=False`` (a failed sync) leaves the engine refusing generates until a complete sync, if
         any bucket had reached it.
+
+        The flush runs before the fence lifts: a generate admitted between the two would otherwise find
+        prefixes computed with the old weights (issue 39; no request runs inside the fence, so SGLang's
+        flush, which it refuses while requests are pending, is not refused).
         """
-        self._engine.end_sync(ok)
-        if ok:
-            await self._engine.async_flush_cache()
-            if global_steps is not None:
-                await self.set_global_steps(global_steps)
+        try:
+            if ok:
+                await self._engine.async_flush_cache()
+        finally:
+            self._engine.end_sync(ok)
+        if ok and global_steps is not None:
+            await self.set_global_steps(global_steps)
 
     @trace.traced("server.update_weights_from_payloads")
     async def update_weights_from_payloads(self, payloads: List[bytes], fast_path: bool = False) -> None:

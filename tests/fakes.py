@@ -69,6 +69,8 @@ class FakeTokenizerManager:
         if "weights" in e.released:
             await e._die("copy into freed weights")
         e.calls.append(("update_weights", obj.load_format, len(obj.serialized_named_tensors), obj.flush_cache))
+        if obj.flush_cache and e.prefix_cache is not None:
+            e.prefix_cache.clear()
         if e.running:
             e.mixed_weight_generates += len(e.running)
         if e.on_update is not None:
@@ -83,6 +85,8 @@ class FakeTokenizerManager:
     async def flush_cache(self):
         await self.engine._alive()
         self.engine.calls.append(("flush_cache",))
+        if self.engine.prefix_cache is not None:
+            self.engine.prefix_cache.clear()
 
     async def load_lora_adapter_from_tensors(self, obj, request):
         """SGLang 0.5.10's path: refusals come back as ``success=False``; an unreadable payload kills the
@@ -191,6 +195,15 @@ class FakeSGLangEngine:
         self.fail_next_update = False
         self.on_update = None
         self.mixed_weight_generates = 0
+        # decode model (None: a generate answers at once, or when ``block`` is set, with all its tokens):
+        # one token per request every ``decode_step_s`` seconds; an aborted request ends at once with the
+        # tokens it has so far and finish reason "abort" (SGLang's partial output)
+        self.decode_step_s = None
+        # prefix (radix) cache model, off while None (a test sets ``set()``): every prefix of each prompt
+        # + output seen since the last flush; ``cached_tokens`` lists, per request, its prompt's longest
+        # cached prefix (0: a miss), and ``meta_info["cached_tokens"]`` carries it as SGLang's does
+        self.prefix_cache = None
+        self.cached_tokens = []
         # LoRA: adapters by SGLang name; base module shapes (module path -> (out, in)) to check against
         self.lora = {}
         self.lora_base_shapes = None
@@ -232,26 +245,54 @@ class FakeSGLangEngine:
                 raise ValueError(f"The following requested LoRA adapters are not loaded: {name}")
             if self.lora[name]["bad"]:
                 await self._die(f"LoRA buffer shape assertion: {self.lora[name]['bad']}")
+        cached = [self._prefix_hit(p) for p in input_ids]
+        self.cached_tokens += cached
         self.running |= set(rid)
         try:
+            n = sampling_params.get("max_new_tokens", 2)
+            made = {r: n for r in rid}
             if self.block is not None:
                 self.entered.set()
                 while not self.block.is_set() and not (set(rid) <= self.aborted):
                     await asyncio.sleep(0.002)
                     await self._alive()
-            n = sampling_params.get("max_new_tokens", 2)
+            elif self.decode_step_s is not None:
+                made = {r: 0 for r in rid}
+                while any(made[r] < n and r not in self.aborted for r in rid):
+                    await asyncio.sleep(self.decode_step_s)
+                    await self._alive()
+                    for r in rid:
+                        if made[r] < n and r not in self.aborted:
+                            made[r] += 1
             outs = [
-                {"output_ids": [p[-1] + 1 + k for k in range(n)],
-                 "meta_info": {"output_token_logprobs": [(-0.5, p[-1] + 1 + k, None) for k in range(n)],
-                               "finish_reason": {"type": "abort" if r in self.aborted else "length"}}}
-                for p, r in zip(input_ids, rid)
+                {"output_ids": [p[-1] + 1 + k for k in range(made[r])],
+                 "meta_info": {"output_token_logprobs": [(-0.5, p[-1] + 1 + k, None) for k in range(made[r])],
+                               "cached_tokens": c,
+                               "finish_reason": {"type": "abort" if r in self.aborted and (
+                                   self.decode_step_s is None or self.block is not None or made[r] < n)
+                                   else "length"}}}
+                for p, r, c in zip(input_ids, rid, cached)
             ]
+            for p, out in zip(input_ids, outs):
+                self._cache(list(p) + out["output_ids"])
             if return_logprob and logprob_start_len is not None and logprob_start_len >= 0:
                 for p, out in zip(input_ids, outs):
                     out["meta_info"].update(input_logprobs_meta(p, logprob_start_len, top_logprobs_num or 0))
             return outs
         finally:
             self.running -= set(rid)
+
+    def _prefix_hit(self, prompt) -> int:
+        if self.prefix_cache is None:
+            return 0
+        for i in range(len(prompt), 0, -1):
+            if tuple(prompt[:i]) in self.prefix_cache:
+                return i
+        return 0
+
+    def _cache(self, seq) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.update(tuple(seq[:i]) for i in range(1, len(seq) + 1))
 
     def shutdown(self):
         self.calls.append(("sglang_shutdown",))

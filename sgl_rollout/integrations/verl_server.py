@@ -267,13 +267,19 @@ class VerlRolloutServer(RolloutServer):
         return self._accepting
 
     async def _admit(self) -> None:
+        """Return once generation is not paused (:meth:`abort_all_requests`).
+
+        The gate is checked again after every wake-up (issue 39): :meth:`resume_generation` wakes the
+        held requests, but they run only at the loop's next turn; a pause begun before then (the next
+        weight update's ``abort_all_requests`` right after the resume) must hold them again, or they
+        would reach the engine during that update's weight sync and fail with ``MemoryStateError``.
+        """
         gate = self._gate()
-        if gate.is_set():
-            return
-        if self._reject:
-            raise RuntimeError("this replica's generation is paused with reject_request=True "
-                               "(abort_all_requests); send the request to another replica")
-        await gate.wait()
+        while not gate.is_set():
+            if self._reject:
+                raise RuntimeError("this replica's generation is paused with reject_request=True "
+                                   "(abort_all_requests); send the request to another replica")
+            await gate.wait()
 
     # -------------------------------------------------------------- generation
     def _max_new_tokens(self, params: dict, prompt_len: int) -> int:
