@@ -198,3 +198,13 @@ def test_without_cuda_the_flattened_path_is_taken_and_the_reason_logged_once(cap
         "weight syncs go through SGLang's flattened buckets: no CUDA device in this process"]
 
 
+
+
+def test_fast_sync_off_decides_without_a_collective():
+    from sgl_rollout.weight_sync.path import SyncPath
+
+    def no_collective(_reason):
+        raise AssertionError("all-gather called although every rank's config has fast_sync off")
+
+    path = SyncPath(SimpleNamespace(fast_sync=False, validate_sync=True, model_path="/none"))
+    assert path.fast(agree=no_collective) is False and path.fast(agree=no_collective) is False

@@ -89,13 +89,17 @@ class SyncPath:
         Args:
             device_ids: the TP ranks' GPUs this sender writes to.
             agree: ``(this rank's reason or "") -> every rank's``, for a replica whose TP ranks send from
-                several processes (a collective: every rank must call :meth:`fast` together).
+                several processes (a collective: every rank must call :meth:`fast` together; not
+                called when ``fast_sync`` is off, which every rank's config says alike).
         """
         if self._fast is None:
+            if not self.config.fast_sync:  # the same on every rank: no collective needed to agree
+                self._fast = False
+                logger.info("weight syncs go through SGLang's flattened buckets: fast_sync is off")
+                return False
             reason = self.fast_refusal(device_ids) or ""
             reasons = [r for r in (agree(reason) if agree is not None else [reason]) if r]
             self._fast = not reasons
-            if reasons:  # a warning when the fast path was asked for (the default) and cannot be had
-                level = logging.INFO if not self.config.fast_sync else logging.WARNING
-                logger.log(level, "weight syncs go through SGLang's flattened buckets: %s", reasons[0])
+            if reasons:  # the fast path was asked for (the default) and cannot be had
+                logger.warning("weight syncs go through SGLang's flattened buckets: %s", reasons[0])
         return self._fast
