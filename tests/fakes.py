@@ -210,6 +210,11 @@ class FakeSGLangEngine:
         self.on_lora = None
         self.fail_next_lora = False
         self.last_lora_path = None
+        # every generate's batch as SGLang got it (input_ids, image_data, video_data, sampling_params)
+        self.requests = []
+        # None, or a function of a prompt's ids giving the whole answer's ids (finish reason "stop")
+        self.reply = None
+        self.decoded_tokens = 0  # decode steps of the scripted model, for tests that act mid-answer
         self.tokenizer_manager = FakeTokenizerManager(self)
         # the "scheduler": a real child process, so that death is seen the way a real one is
         self.scheduler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
@@ -230,10 +235,12 @@ class FakeSGLangEngine:
         os.kill(self.scheduler.pid, signal.SIGKILL)
 
     async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None, lora_path=None,
-                             logprob_start_len=None, top_logprobs_num=None):
+                             logprob_start_len=None, top_logprobs_num=None, image_data=None, video_data=None):
         await self._alive()
         rid = rid or [f"r{i}" for i in range(len(input_ids))]
         self.calls.append(("generate", len(input_ids)))
+        self.requests.append({"input_ids": [list(p) for p in input_ids], "image_data": image_data,
+                              "video_data": video_data, "sampling_params": dict(sampling_params)})
         self.last_sampling_params = dict(sampling_params)
         self.last_lora_path = lora_path
         self.last_logprob_args = {k: v for k, v in (("logprob_start_len", logprob_start_len),
@@ -264,6 +271,8 @@ class FakeSGLangEngine:
                     for r in rid:
                         if made[r] < n and r not in self.aborted:
                             made[r] += 1
+            if self.reply is not None:
+                return await self._scripted(input_ids, rid, sampling_params.get("max_new_tokens"))
             outs = [
                 {"output_ids": [p[-1] + 1 + k for k in range(made[r])],
                  "meta_info": {"output_token_logprobs": [(-0.5, p[-1] + 1 + k, None) for k in range(made[r])],
@@ -281,6 +290,22 @@ class FakeSGLangEngine:
             return outs
         finally:
             self.running -= set(rid)
+
+    async def _scripted(self, input_ids, rid, max_new_tokens) -> list:
+        """The scripted "model" (``reply``): each request's whole answer at once, or with ``decode_step_s``
+        one token per step, an aborted request ending with the tokens it has (finish reason "abort")."""
+        answers = [list(self.reply(list(p)))[:max_new_tokens] for p in input_ids]
+        made = [len(a) if self.decode_step_s is None else 0 for a in answers]
+        while any(m < len(a) and r not in self.aborted for m, a, r in zip(made, answers, rid)):
+            await asyncio.sleep(self.decode_step_s)
+            await self._alive()
+            made = [m + (m < len(a) and r not in self.aborted) for m, a, r in zip(made, answers, rid)]
+            self.decoded_tokens += 1
+        return [{"output_ids": a[:m], "meta_info": {
+            "output_token_logprobs": [(-0.25, t, None) for t in a[:m]], "cached_tokens": 0,
+            "finish_reason": {"type": "abort" if m < len(a) else ("stop" if len(a) < (max_new_tokens or 1 << 30)
+                                                                  else "length")}}}
+            for a, m in zip(answers, made)]
 
     def _prefix_hit(self, prompt) -> int:
         if self.prefix_cache is None:

@@ -397,7 +397,7 @@ def test_the_servers_generate_span_is_recorded_with_its_error_and_starts_the_sta
     assert verl_probe.install()
     try:
         with pytest.raises(NotImplementedError):
-            asyncio.run(VerlRolloutServer.generate(object.__new__(VerlRolloutServer), [1], {}, "r", image_data=[1]))
+            asyncio.run(VerlRolloutServer.generate(object.__new__(VerlRolloutServer), [1], {}, "r", audio_data=[1]))
     finally:
         verl_probe._stall_stop.set()
     got = spans_in(probe_dir)

@@ -54,7 +54,7 @@ class GenerateCalls:
     """
 
     def _start_generate(self: EngineCore, input_ids, sampling_params, n, return_logprob, lora_path=None,
-                        logprob_args=None):
+                        request_args=None):
         batch = _expand(input_ids, n)
         self.check_alive()
         if lora_path is not None and not isinstance(lora_path, str):
@@ -65,7 +65,7 @@ class GenerateCalls:
             with sigint_deferred():  # counted and sent, or neither
                 self.state.admit_request()
                 try:
-                    extra = dict(logprob_args or {})  # only when asked: SGLang's defaults otherwise
+                    extra = dict(request_args or {})  # only when asked: SGLang's defaults otherwise
                     if lora_path is not None:
                         # read after admission: adapters change only inside a sync, which no request overlaps
                         extra["lora_path"] = [self._adapter_for_request(lora_path).sglang_name] * len(batch)
@@ -105,6 +105,8 @@ class GenerateCalls:
         lora_path: Optional[str] = None,
         logprob_start_len: Optional[int] = None,
         top_logprobs_num: int = 0,
+        image_data: Optional[List[Optional[List[Any]]]] = None,
+        video_data: Optional[List[Optional[List[Any]]]] = None,
     ):
         """Sample ``n`` completions for each prompt.
 
@@ -124,6 +126,15 @@ class GenerateCalls:
             top_logprobs_num: with ``logprob_start_len``, also the ``k`` most likely tokens at each of
                 those prompt positions (:attr:`Generation.prompt_top_logprobs`; SGLang's
                 ``top_logprobs_num``). 0: none.
+            image_data: None, or one entry per prompt (B): None or that prompt's images, in the order of
+                their placeholder runs in its ids (anything SGLang's ``load_image`` takes: ``PIL.Image``,
+                bytes, a path, a URL, base64; ``sglang/srt/utils/common.py``). Each of the prompt's ``n``
+                samples gets them. The prompt's ids carry the model's image placeholders (Qwen2.5-VL:
+                ``<|vision_start|><|image_pad|>...<|vision_end|>``); SGLang's multimodal processor expands
+                each run again from the image (``sglang/srt/multimodal/processors/``).
+            video_data: the same for videos: a path, URL, bytes or base64 per video, or the one
+                ``{"format": "processor_output", ...}`` dict of processor features that verl 0.9.1 sends
+                (``build_sglang_video_payload`` in ``verl/experimental/agent_loop/agent_loop.py``).
 
         Returns:
             B lists of ``n`` :class:`Generation` each, in prompt order.
@@ -132,12 +143,14 @@ class GenerateCalls:
             MemoryStateError: a memory region is released, a release/resume/sync is in progress, or the
                 last weight sync did not complete.
             EngineDeadError: the engine died (before or during the call); EngineClosedError: shut down.
-            ValueError: ``n`` < 1, an empty batch, ``lora_path`` names no loaded adapter, or
-                ``logprob_start_len`` / ``top_logprobs_num`` out of range or without what they need.
+            ValueError: ``n`` < 1, an empty batch, ``lora_path`` names no loaded adapter,
+                ``logprob_start_len`` / ``top_logprobs_num`` out of range or without what they need, or
+                ``image_data`` / ``video_data`` not one list (or None) per prompt.
             KeyboardInterrupt: re-raised after the batch's requests were aborted in SGLang.
         """
-        logprob_args = _prompt_logprob_args(input_ids, return_logprob, logprob_start_len, top_logprobs_num)
-        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path, logprob_args)
+        args = _prompt_logprob_args(input_ids, return_logprob, logprob_start_len, top_logprobs_num)
+        args.update(_multimodal_args(len(input_ids), n, image_data=image_data, video_data=video_data))
+        fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path, args)
         outs = yield self.waiting(fut, lambda: self._abort(rids))
         return _group(outs, n, return_logprob, logprob_start_len is not None, top_logprobs_num > 0)
 
@@ -180,6 +193,26 @@ def _prompt_logprob_args(input_ids, return_logprob: bool, start: Optional[int], 
     args = {"logprob_start_len": start}
     if top:
         args["top_logprobs_num"] = top
+    return args
+
+
+def _multimodal_args(batch: int, n: int, **per_prompt: Optional[list]) -> Dict[str, list]:
+    """SGLang's batch form of each multimodal field given (``image_data=[[...], ...]``: one list per
+    request, each prompt's entry repeated for its ``n`` samples); a field that is None or holds no
+    item is left out, so SGLang keeps its default. A flat list would be read by SGLang as one image
+    per request (``GenerateReqInput._normalize_image_data``, ``sglang/srt/managers/io_struct.py``)."""
+    args: Dict[str, list] = {}
+    for key, entries in per_prompt.items():
+        if entries is None:
+            continue
+        if not isinstance(entries, (list, tuple)) or len(entries) != batch:
+            got = len(entries) if isinstance(entries, (list, tuple)) else type(entries).__name__
+            raise ValueError(f"{key} takes one entry per prompt ({batch}), got {got}")
+        bad = [type(e).__name__ for e in entries if e is not None and not isinstance(e, (list, tuple))]
+        if bad:
+            raise ValueError(f"{key}: each prompt's entry is a list of items or None, got {bad[0]}")
+        if any(entries):
+            args[key] = [list(e or []) for e in entries for _ in range(n)]
     return args
 
 

@@ -318,6 +318,14 @@ class VerlRolloutServer(RolloutServer):
                 log-probabilities (:func:`teacher_prompt_logprobs`); vLLM's ``detokenize`` (sent with
                 it) is dropped, as SGLang's sampling params have no such key.
             request_id: verl's request id (for logs; SGLang gets its own).
+            image_data: this request's images (verl's agent loop sends ``PIL.Image``s, every image of the
+                conversation so far, in the order of their placeholder runs in ``prompt_ids``); they reach
+                SGLang's multimodal processor as verl's built-in server sends them
+                (``async_sglang_server.py``, ``GenerateReqInput.image_data``).
+            video_data: this request's videos; from verl 0.9.1's client, one
+                ``{"format": "processor_output", ...}`` dict of the processor's features
+                (``verl/workers/rollout/llm_server.py``), which SGLang takes as is.
+            audio_data, mm_processor_kwargs: refused (see Raises).
 
         Returns:
             ``TokenOutput`` with ``token_ids``, ``log_probs`` (None unless ``logprobs`` or
@@ -329,7 +337,8 @@ class VerlRolloutServer(RolloutServer):
             :meth:`resume_generation` (SGLang's behaviour), or fails with ``reject_request=True``.
 
         Raises:
-            NotImplementedError: image, video or audio input, or any other argument this server does
+            NotImplementedError: audio input or per-request ``mm_processor_kwargs`` (neither reaches
+                SGLang through verl's built-in server either), or any other argument this server does
                 not serve.
             ValueError: negative ``max_new_tokens`` or ``prompt_logprobs``, or the prompt does not fit
                 the context.
@@ -337,9 +346,11 @@ class VerlRolloutServer(RolloutServer):
                 prompt (:func:`teacher_prompt_logprobs`).
             MemoryStateError, EngineDeadError, EngineClosedError: from the engine, unchanged.
         """
-        if image_data or video_data or audio_data or mm_processor_kwargs:
-            raise NotImplementedError("sgl-rollout does not take image, video or audio inputs yet; "
-                                      f"use {VERL_BUILTIN} for multimodal rollouts")
+        if audio_data or mm_processor_kwargs:
+            raise NotImplementedError(
+                "sgl-rollout takes images and videos but not " + ("audio_data" if audio_data else "mm_processor_kwargs")
+                + " (verl's built-in SGLang server takes neither; SGLang's per-request form has no processor kwargs: "
+                "set data.mm_processor_kwargs to null and the processor's settings in the model folder)")
         extra = sorted(k for k, v in kwargs.items() if v is not None)
         if extra:
             raise NotImplementedError(f"sgl-rollout's generate does not take {extra}")
@@ -352,8 +363,9 @@ class VerlRolloutServer(RolloutServer):
         self._served["total"] += 1
         self._served["since_sleep"] += 1
         prompt = {} if top_k is None else {"logprob_start_len": 0, "top_logprobs_num": top_k}
+        mm = {k: [list(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v}
         gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
-                                                 lora_path=self._request_adapter(), **prompt))[0][0]
+                                                 lora_path=self._request_adapter(), **prompt, **mm))[0][0]
         token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
         if return_logprob and len(log_probs) != len(token_ids):
             # SGLang can report a logprob without a token (max_new_tokens=0) or none on an abort;

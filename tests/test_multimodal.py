@@ -1,0 +1,192 @@
+"""Images and videos (issue 38 item 2, CPU part): what verl's client sends reaches SGLang's
+``async_generate`` in SGLang's batch form (``image_data=[[img, ...]]``: one list per request,
+``GenerateReqInput._normalize_image_data`` in ``sglang/srt/managers/io_struct.py`` reads a flat list as one
+image per request), through the engine, :class:`VerlRolloutServer` and verl 0.9.1's real
+``LLMServerClient`` (which hands SGLang servers the processor-output dict instead of raw video frames).
+SGLang is the engine double of ``tests/fakes.py``; no model looks at the pixels here (the GPU test does)."""
+
+import asyncio
+import types
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fakes import FakeSGLangEngine
+from sgl_rollout.config import RolloutConfig
+from sgl_rollout.engine import RolloutEngine
+
+
+@pytest.fixture
+def plain_requests(monkeypatch):
+    import sgl_rollout.engine.io_struct as engine_mod
+
+    monkeypatch.setattr(engine_mod, "make", lambda name, **fields: types.SimpleNamespace(**fields))
+
+
+def _image(seed: int, size=(28, 28)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, size=(*size, 3), dtype=np.uint8))
+
+
+def _video_payload():
+    """verl's ``build_sglang_video_payload`` shape: one dict of processor features for all the prompt's videos."""
+    import torch
+
+    return {"format": "processor_output", "pixel_values_videos": torch.zeros(8, 1176),
+            "video_grid_thw": torch.tensor([[2, 2, 2]])}
+
+
+def _engine():
+    return RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeSGLangEngine)
+
+
+def test_engine_sends_each_prompts_images_per_request_and_repeats_them_for_every_sample(plain_requests):
+    eng = _engine()
+    fake = eng._engine
+    a, b, c = _image(0), _image(1), _image(2)
+    video = _video_payload()
+
+    async def scenario():
+        out = await eng.async_generate([[1, 2], [3, 4], [5]], {"max_new_tokens": 1}, n=2,
+                                       image_data=[[a, b], None, [c]], video_data=[None, [video], None])
+        assert len(out) == 3 and all(len(g) == 2 for g in out)
+        sent = fake.requests[-1]
+        assert sent["input_ids"] == [[1, 2], [1, 2], [3, 4], [3, 4], [5], [5]]
+        # SGLang's batch form: one list per request; the same objects, not copies or re-encodings
+        assert [[id(x) for x in r] for r in sent["image_data"]] == [[id(a), id(b)]] * 2 + [[]] * 2 + [[id(c)]] * 2
+        assert sent["video_data"] == [[], [], [video], [video], [], []]
+        assert sent["video_data"][2][0] is video
+
+        await eng.async_generate([[1, 2]], {"max_new_tokens": 1})
+        assert fake.requests[-1]["image_data"] is None and fake.requests[-1]["video_data"] is None
+        await eng.async_generate([[1, 2]], {"max_new_tokens": 1}, image_data=[None], video_data=[[]])
+        # nothing to send: SGLang keeps its default (no multimodal processing for a text batch)
+        assert fake.requests[-1]["image_data"] is None and fake.requests[-1]["video_data"] is None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"image_data": [[_image(0)]]}, r"image_data takes one entry per prompt \(2\), got 1"),
+    ({"image_data": [_image(0), _image(1)]}, "each prompt's entry is a list of items or None, got Image"),
+    ({"video_data": "clip.mp4"}, r"video_data takes one entry per prompt \(2\), got str"),
+])
+def test_engine_refuses_multimodal_data_that_is_not_one_list_per_prompt(plain_requests, kwargs, match):
+    eng = _engine()
+    try:
+        with pytest.raises(ValueError, match=match):
+            eng.generate([[1, 2], [3]], {"max_new_tokens": 1}, **kwargs)
+        assert eng._engine.requests == []  # refused before SGLang
+        assert eng.generate([[1, 2]], {"max_new_tokens": 1})[0][0].output_ids == [3]  # and the engine serves on
+    finally:
+        eng.shutdown()
+
+
+# ------------------------------------------------------------------------------------- verl server
+def _server():
+    pytest.importorskip("ray")
+    pytest.importorskip("verl")
+    from sgl_rollout.integrations.verl_server import VerlRolloutServer
+
+    class Server(VerlRolloutServer):
+        engine_factory = FakeSGLangEngine
+
+    return Server({"model_path": "/fake", "enforce_eager": True}, max_model_len=64, response_length=4)
+
+
+def _run(srv, scenario):
+    async def body():
+        await srv.start()
+        try:
+            await scenario(srv._engine._engine)
+        finally:
+            await srv.shutdown()
+
+    asyncio.run(body())
+
+
+class _Remote:
+    """A Ray actor handle's face (``handle.method.remote(...)`` gives an awaitable) over a local object."""
+
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        fn = getattr(self._obj, name)
+
+        async def call(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            return await out if asyncio.iscoroutine(out) else out
+
+        return types.SimpleNamespace(remote=lambda *a, **k: asyncio.ensure_future(call(*a, **k)))
+
+
+class _OneServerBalancer:
+    """verl's global load balancer reduced to one server (``verl/workers/rollout/llm_server.py`` asks it)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def require_acquire_fields(self):
+        return []
+
+    def require_release_fields(self):
+        return []
+
+    def acquire_server(self, request_id, **_fields):
+        return "replica-0", self.server
+
+    def release_server(self, server_id, **_fields):
+        return None
+
+
+def _verl_client(srv):
+    from omegaconf import OmegaConf
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "sglang"}}})
+    return LLMServerClient(config=cfg, load_balancer_handle=_Remote(_OneServerBalancer(_Remote(srv))))
+
+
+def test_verls_client_images_and_video_reach_sglang_as_verls_builtin_server_sends_them(plain_requests):
+    srv = _server()
+    client = _verl_client(srv)
+    a, b = _image(3), _image(4, size=(56, 28))
+    video = _video_payload()
+
+    async def scenario(fake):
+        # the agent loop's call (tool_agent_loop.py): every image so far, raw frames plus their processor output
+        frames = [(np.zeros((2, 3, 28, 28), dtype=np.uint8), {"fps": 2.0})]
+        out = await client.generate("traj-1", prompt_ids=[1, 2, 3], sampling_params={"temperature": 0.0},
+                                    image_data=[a, b], video_data=frames, mm_processor_output=[video])
+        sent = fake.requests[-1]
+        assert sent["input_ids"] == [[1, 2, 3]]
+        assert len(sent["image_data"]) == 1 and [id(x) for x in sent["image_data"][0]] == [id(a), id(b)]
+        # verl's client swaps the raw frames for the processor output on an SGLang server; SGLang gets that
+        assert sent["video_data"] == [[video]] and sent["video_data"][0][0] is video
+        assert out.token_ids == [4, 5, 6, 7] and out.extra_fields["min_global_steps"] is None
+
+        await client.generate("traj-2", prompt_ids=[1, 2], sampling_params={}, image_data=None)
+        assert fake.requests[-1]["image_data"] is None and fake.requests[-1]["video_data"] is None
+
+    _run(srv, scenario)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"audio_data": [b"RIFF"]}, "not audio_data"),
+    ({"mm_processor_kwargs": {"max_pixels": 4096}}, "not mm_processor_kwargs"),
+])
+def test_server_refuses_audio_and_per_request_processor_kwargs_before_sglang(plain_requests, kwargs, match):
+    srv = _server()
+
+    async def scenario(fake):
+        with pytest.raises(NotImplementedError, match=match):
+            await srv.generate([1, 2], {}, request_id="r", image_data=[_image(0)], **kwargs)
+        assert fake.requests == []
+        assert (await srv.generate([1, 2], {}, request_id="r")).token_ids == [3, 4, 5, 6]
+
+    _run(srv, scenario)
