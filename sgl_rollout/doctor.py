@@ -2,7 +2,8 @@
 
 Each check runs on its own and reports its failure instead of raising, so one missing piece does not
 hide the others. After the checks, one ``missing`` line names each thing this package needs and the
-machine lacks (SGLang, torch, a CUDA GPU, torch-memory-saver's preload hook), and the exit status is then
+machine lacks (SGLang in the supported range, torch, a CUDA GPU, torch-memory-saver's preload hook), and the
+exit status is then
 1: without them no engine can start, or release and resume its GPU memory.
 """
 
@@ -32,6 +33,22 @@ def _version(pkg: str) -> str:
 def _required_version(pkg: str) -> Result:
     v = _version(pkg)
     return v, (f"{pkg} (not installed)" if v == "not installed" else None)
+
+
+def _sglang() -> Result:
+    """The installed SGLang and whether it is a release this package checked, inside its supported range
+    (:mod:`sgl_rollout.engine.sglang_version`); outside the range an engine refuses to start."""
+    from .engine import sglang_version
+
+    version = sglang_version.installed_sglang()
+    line = sglang_version.support_line(version)
+    if version is None:
+        return line, "sglang (not installed)"
+    try:
+        sglang_version.check_sglang_version(version)
+    except sglang_version.UnsupportedSGLangVersion:
+        return line, f"a supported sglang ({version} installed; supported {sglang_version.SUPPORTED})"
+    return line, None
 
 
 def _memory_saver_hook() -> Result:
@@ -103,7 +120,7 @@ def _info(fn: Callable[[], str]) -> Callable[[], Result]:
 #: (label, check, what a check that raises leaves missing: None for a check that is information only).
 #: The lambdas look the probes up when called, so tests can replace them.
 CHECKS: List[Tuple[str, Callable[[], Result], Optional[str]]] = [
-    ("sglang", lambda: _required_version("sglang"), "sglang"),
+    ("sglang", lambda: _sglang(), "sglang"),
     ("torch", lambda: _required_version("torch"), "torch"),
     ("torch-memory-saver", _info(lambda: _version("torch-memory-saver")), None),  # the hook line says it
     ("verl", _info(lambda: _version("verl")), None),

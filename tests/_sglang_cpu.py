@@ -8,6 +8,7 @@ build cannot load there. So when torchvision is missing, a module holding only `
 decodes images; every SGLang function the tests use is the real one.
 """
 
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -23,6 +24,10 @@ def ensure_sglang_importable() -> None:
 
     tv = types.ModuleType("torchvision")
     io = types.ModuleType("torchvision.io")
+    # transformers (imported by sglang/__init__.py from 0.5.12) asks importlib for the spec of every
+    # module it finds in sys.modules: a stand-in without one makes it raise ValueError
+    tv.__spec__ = importlib.machinery.ModuleSpec("torchvision", None)
+    io.__spec__ = importlib.machinery.ModuleSpec("torchvision.io", None)
     io.decode_jpeg = decode_jpeg
     tv.io = io
     sys.modules["torchvision"] = tv

@@ -520,15 +520,16 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
      dict(name="rollout.update_weights")),
     ("verl.workers.rollout.sglang_rollout.sglang_rollout", "get_named_tensor_buckets", {"agen": "rollout.bucket"}),
     ("verl.workers.rollout.sglang_rollout.sglang_rollout", "sgl_update_weights", dict(name="rollout.call")),
-    # the engine's process: SGLang's tokenizer manager (both sides)
-    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.resume_memory_occupation",
-     dict(name="sglang.resume", name_of=_tags_at(1))),
-    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.release_memory_occupation",
-     dict(name="sglang.release", name_of=_tags_at(1))),
-    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.update_weights_from_tensor",
-     dict(name="sglang.update_weights_from_tensor")),
-    ("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin.flush_cache",
-     dict(name="sglang.flush_cache")),
+    # the engine's process: SGLang's tokenizer manager (both sides); its control calls live in
+    # tokenizer_communicator_mixin.py up to 0.5.10 and in tokenizer_control_mixin.py from 0.5.12 (a
+    # module that is never imported never fires its hook)
+    *[(module, f"{cls}.{method}", how)
+      for module, cls in (("sglang.srt.managers.tokenizer_communicator_mixin", "TokenizerCommunicatorMixin"),
+                          ("sglang.srt.managers.tokenizer_control_mixin", "TokenizerControlMixin"))
+      for method, how in (("resume_memory_occupation", dict(name="sglang.resume", name_of=_tags_at(1))),
+                          ("release_memory_occupation", dict(name="sglang.release", name_of=_tags_at(1))),
+                          ("update_weights_from_tensor", dict(name="sglang.update_weights_from_tensor")),
+                          ("flush_cache", dict(name="sglang.flush_cache")))],
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
      {"agen": "sglang.generate_request", "first_item": True, "watch": True}),

@@ -25,6 +25,7 @@ from ..config import RolloutConfig
 from ..memory import ALL_TAGS, CUDA_GRAPH, MemoryState
 from ..twin import Step, twin
 from .lifecycle import EngineClosedError, EngineDeadError, EngineProcesses, engine_env_updates, on_sigquit
+from .sglang_version import check_sglang_version
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +154,7 @@ class EngineCore:
     def _start(self) -> None:
         factory = self._factory
         if factory is None:
+            check_sglang_version()
             check_tp_for_sglang(self.config)
             from sglang.srt.entrypoints.engine import Engine as factory  # noqa: N813
 

@@ -1,0 +1,79 @@
+"""The SGLang releases this package is built against, and the start-up refusal of any other.
+
+Every call this package makes into SGLang (the tokenizer manager's coroutines, the request objects of
+``sglang/srt/managers/io_struct.py``, the ``ServerArgs`` fields it sets, the in-scheduler loader hook of
+``ModelRunner.update_weights_from_tensor``, ``FlattenedTensorMetadata``, the environment variables of
+``sglang/srt/environ.py``) is listed in :mod:`sgl_rollout.engine.sglang_api` and checked against the real
+source of each release in :data:`TESTED` by the CPU tests (``tests/test_sglang_versions.py``). An engine
+refuses to start under a release outside :data:`SUPPORTED` with one line (:func:`check_sglang_version`),
+unless ``SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG=1``; ``python -m sgl_rollout doctor`` says the same.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from typing import Dict, Optional
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+#: The releases checked, and how far (pyproject.toml's ``sglang`` requirement is :data:`SUPPORTED`).
+TESTED: Dict[str, str] = {
+    "0.5.10.post1": "GPU suite and bench verl on H100/H200; every touch point checked on CPU",
+    "0.5.12": "verl 0.9.1's pin; every touch point checked on CPU against its source; GPU suite not yet run",
+}
+#: The range an engine starts under (the same string as pyproject.toml's requirement).
+SUPPORTED = SpecifierSet(">=0.5.10,<0.5.13")
+#: Set to ``1`` to start an engine under a release outside :data:`SUPPORTED` anyway (at your own risk).
+ALLOW_ENV = "SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG"
+
+
+class UnsupportedSGLangVersion(RuntimeError):
+    """The installed SGLang is outside :data:`SUPPORTED`; raised before an engine starts."""
+
+
+def installed_sglang() -> Optional[str]:
+    """The installed SGLang's version string (its distribution metadata), or None when none is installed."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def support_line(version: Optional[str]) -> str:
+    """One line on ``version``: which tested release it is, or why it is outside :data:`SUPPORTED`."""
+    if version is None:
+        return "not installed"
+    if version in TESTED:
+        return f"{version} (tested: {TESTED[version]})"
+    try:
+        inside = Version(version) in SUPPORTED
+    except InvalidVersion:
+        inside = False
+    if inside:
+        return f"{version} (inside the supported range {SUPPORTED}, but not itself checked; checked: {', '.join(TESTED)})"
+    return (f"{version} is outside the range sgl-rollout supports ({SUPPORTED}; checked: {', '.join(TESTED)}): "
+            f"install sglang==0.5.12 (verl 0.9.1's pin) or 0.5.10.post1, or set {ALLOW_ENV}=1 to start anyway")
+
+
+def check_sglang_version(version: Optional[str] = None) -> None:
+    """Refuse to start an engine under an SGLang release outside :data:`SUPPORTED`.
+
+    Args:
+        version: the version to check; None: the installed one (a missing SGLang is left to the import
+            that follows, which names it).
+
+    Raises:
+        UnsupportedSGLangVersion: outside the range and ``SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG`` is not ``1``;
+            one line naming the version, the range and what to install.
+    """
+    version = installed_sglang() if version is None else version
+    if version is None or os.environ.get(ALLOW_ENV) == "1":
+        return
+    try:
+        inside = Version(version) in SUPPORTED
+    except InvalidVersion:
+        inside = False
+    if not inside:
+        raise UnsupportedSGLangVersion("sglang " + support_line(version))
