@@ -247,3 +247,10 @@ def test_adapter_quantizes_fp8_before_the_sync(tiny_model, tmp_path, monkeypatch
     assert out["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert out["model.layers.0.mlp.up_proj.weight_scale_inv"].shape == (1, 1)
     assert out["model.norm.weight"].dtype == torch.float32
+
+
+def test_expert_parallel_size_reaches_sglang_as_ep_size():
+    _, cfg = mapped("actor_rollout_ref.rollout.expert_parallel_size=2",
+                    "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    args = cfg.to_server_args()
+    assert (args["ep_size"], args["tp_size"]) == (2, 2)  # as verl's SGLang server passes them

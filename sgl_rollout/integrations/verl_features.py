@@ -1,0 +1,117 @@
+"""The verl rollout features, served by verl 0.9.1's built-in SGLang server and by this package.
+
+One :class:`Feature` per row of the README's feature matrix (:func:`markdown` writes the table, and
+``tests/test_feature_matrix.py`` checks that the README holds exactly it). The built-in column is read from
+verl 0.9.1's ``verl/workers/rollout/sglang_rollout/async_sglang_server.py`` (``SGLangHttpServer``: the
+server arguments it builds and its ``generate``) and ``verl/workers/rollout/llm_server.py``. For this
+package, each served feature names the test that covers it, and each refused one either the rollout
+config that :func:`~.verl_config.check_verl_features` refuses at start-up (one line naming the key and
+the alternative), or the test of the per-request refusal where no config key selects the feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One row of the matrix.
+
+    Attributes:
+        name: the feature, in verl's terms.
+        builtin: verl 0.9.1's built-in SGLang server serves it.
+        ours: this package serves it.
+        test: ``tests/<file>.py::<test>`` covering it here (served), or covering its refusal.
+        refused_by: for a refused feature selected by config, the rollout config (nested dict of
+            ``actor_rollout_ref.rollout`` keys) that :func:`~.verl_config.check_verl_features` refuses,
+            and the key its message names.
+        note: what the row does not say by itself (where it was run, what is left).
+    """
+
+    name: str
+    builtin: bool
+    ours: bool
+    test: str
+    refused_by: Optional[Tuple[Dict[str, Any], str]] = None
+    note: str = field(default="")
+
+
+_TOOL_AGENT = "tests/test_tool_agent.py::test_verls_agent_loop_worker_runs_tool_single_turn_and_custom_loops_through_this_package"
+_MM = "tests/test_multimodal.py::test_verls_client_images_and_video_reach_sglang_as_verls_builtin_server_sends_them"
+_CPU_ONLY = "CPU (verl's real classes, engine double); not yet on a GPU"
+
+FEATURES: List[Feature] = [
+    Feature("agent loop `single_turn_agent`", True, True, _TOOL_AGENT, note="CPU; on GPU through every `bench verl` run"),
+    Feature("agent loop `tool_agent` (multi-turn tools: function tools, `BaseTool`)", True, True, _TOOL_AGENT,
+            note=_CPU_ONLY),
+    Feature("custom agent loop registered by name (`agent_loop_config_path`)", True, True, _TOOL_AGENT, note=_CPU_ONLY),
+    Feature("partial rollout (`abort_all_requests` / `resume_generation`, weight versions)", True, True,
+            "tests/test_tool_agent.py::test_a_turn_cut_by_a_weight_update_comes_back_partial_and_the_episode_continues_after_resume",
+            note="CPU; 1,000-request stress in tests/test_partial_rollout.py"),
+    Feature("images (`image_data`)", True, True, _MM, note=_CPU_ONLY),
+    Feature("video (`video_data`, the processor-output dict verl sends SGLang)", True, True, _MM, note=_CPU_ONLY),
+    Feature("audio (`audio_data`), per-request `mm_processor_kwargs`", False, False,
+            "tests/test_multimodal.py::test_server_refuses_audio_and_per_request_processor_kwargs_before_sglang",
+            note="refused per request (no config key selects it)"),
+    Feature("`prompt_logprobs` (distillation teacher's request)", True, True,
+            "tests/test_prompt_logprobs.py::test_verl_teacher_request_gets_what_verls_sglang_server_returns",
+            note="CPU"),
+    Feature("teacher / reward-model replicas (`is_teacher_model`, `is_reward_model`)", True, False,
+            "tests/test_verl_config.py::test_reward_and_teacher_replicas_and_rl_insight_are_refused",
+            note="refused when the replica is built, naming the key"),
+    Feature("LoRA, merged into the synced weights (`lora.merge=True`)", True, True,
+            "tests/test_verl_adapter.py::test_verl_lora_settings_map_and_refuse"),
+    Feature("LoRA served as an adapter (hot-swapped)", True, True,
+            "tests/test_verl_adapter.py::test_verl_lora_adapter_sequence_sends_base_once"),
+    Feature("FP8 rollout (`quantization=fp8`)", True, True,
+            "tests/test_verl_config.py::test_adapter_quantizes_fp8_before_the_sync"),
+    Feature("other quantization", False, False, "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
+            refused_by=({"quantization": "awq"}, "quantization")),
+    Feature("tensor parallel (`tensor_model_parallel_size`)", True, True,
+            "tests/test_verl_adapter.py::test_checkpoint_engine_worker_tp2_async_generator"),
+    Feature("data parallel with DP attention (`data_parallel_size` + `enable_dp_attention`)", True, True,
+            "tests/test_verl_config.py::test_data_parallel_size"),
+    Feature("data parallel without DP attention", True, False, "tests/test_verl_config.py::test_data_parallel_size",
+            refused_by=({"data_parallel_size": 2}, "data_parallel_size")),
+    Feature("expert parallel (`expert_parallel_size`)", True, True,
+            "tests/test_verl_config.py::test_expert_parallel_size_reaches_sglang_as_ep_size", note="mapping only"),
+    Feature("multi-node replicas (TP over nodes)", True, True, "tests/test_verl_multinode.py::test_verl_replica_over_two_nodes",
+            note="GPU: tests/gpu/test_multinode_gpu.py on 2 GPUs as two Ray nodes"),
+    Feature("`free_cache_engine`, sleep levels 1 and 2", True, True,
+            "tests/test_verl_config.py::test_rollout_mode_decides_what_sleep_releases"),
+    Feature("checkpoint-engine backends `naive`, `nccl`, `nixl`", True, True,
+            "tests/test_verl_adapter.py::test_checkpoint_engine_worker_tp2_async_generator",
+            note="standalone rollout not yet run through verl (issue 39)"),
+    Feature("checkpoint-engine backend `delta_sharded`", True, False,
+            "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
+            refused_by=({"checkpoint_engine": {"backend": "delta_sharded"}}, "checkpoint_engine.backend")),
+    Feature("routing replay (`enable_rollout_routing_replay`)", True, False,
+            "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
+            refused_by=({"enable_rollout_routing_replay": True}, "enable_rollout_routing_replay")),
+    Feature("MTP speculative rollout (`mtp.enable_rollout`)", True, False,
+            "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
+            refused_by=({"mtp": {"enable": True, "enable_rollout": True}}, "mtp.enable_rollout")),
+    Feature("prefill/decode disaggregation", True, False,
+            "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
+            refused_by=({"disaggregation": {"enabled": True}}, "disaggregation.enabled")),
+    Feature("Prometheus metrics (`prometheus.enable`)", True, False,
+            "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
+            refused_by=({"prometheus": {"enable": True}}, "prometheus.enable")),
+    Feature("rollout profiler (discrete mode)", True, False,
+            "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
+            refused_by=({"profiler": {"enable": True, "tool": "torch", "tool_config": {"torch": {"discrete": True}}}},
+                        "profiler.tool_config.<tool>.discrete")),
+]
+
+
+def markdown() -> str:
+    """The README's feature-matrix table (Markdown), one row per :data:`FEATURES` entry."""
+    mark = {True: "✓", False: "✗"}
+    rows = ["| verl rollout feature | verl built-in | sgl-rollout | covered by | note |",
+            "| --- | :---: | :---: | --- | --- |"]
+    for f in FEATURES:
+        rows.append(f"| {f.name} | {mark[f.builtin]} | {mark[f.ours]} | `{f.test.split('::')[-1]}` "
+                    f"(`{f.test.split('::')[0]}`) | {f.note} |")
+    return "\n".join(rows)
