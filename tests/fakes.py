@@ -460,3 +460,32 @@ class ThreadGroup:
         for t in threads:
             t.join()
         return results
+
+
+def verl_server(response_length: int, max_model_len: int = 64, model_path: str = "/fake"):
+    """verl's server actor class of this package (:class:`VerlRolloutServer`) on :class:`FakeSGLangEngine`,
+    not started; skips the test where Ray or verl is not installed."""
+    import pytest
+
+    pytest.importorskip("ray")
+    pytest.importorskip("verl")
+    from sgl_rollout.integrations.verl_server import VerlRolloutServer
+
+    class Server(VerlRolloutServer):
+        engine_factory = FakeSGLangEngine
+
+    return Server({"model_path": model_path, "enforce_eager": True}, max_model_len=max_model_len,
+                  response_length=response_length)
+
+
+def run_on_server(srv, scenario) -> None:
+    """Start ``srv``, await ``scenario(engine double)``, shut ``srv`` down (also when the scenario fails)."""
+
+    async def body():
+        await srv.start()
+        try:
+            await scenario(srv._engine._engine)
+        finally:
+            await srv.shutdown()
+
+    asyncio.run(body())

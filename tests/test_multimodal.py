@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fakes import FakeSGLangEngine
+from fakes import FakeSGLangEngine, run_on_server, verl_server
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.engine import RolloutEngine
 
@@ -88,25 +88,11 @@ def test_engine_refuses_multimodal_data_that_is_not_one_list_per_prompt(plain_re
 
 # ------------------------------------------------------------------------------------- verl server
 def _server():
-    pytest.importorskip("ray")
-    pytest.importorskip("verl")
-    from sgl_rollout.integrations.verl_server import VerlRolloutServer
-
-    class Server(VerlRolloutServer):
-        engine_factory = FakeSGLangEngine
-
-    return Server({"model_path": "/fake", "enforce_eager": True}, max_model_len=64, response_length=4)
+    return verl_server(response_length=4)
 
 
 def _run(srv, scenario):
-    async def body():
-        await srv.start()
-        try:
-            await scenario(srv._engine._engine)
-        finally:
-            await srv.shutdown()
-
-    asyncio.run(body())
+    run_on_server(srv, scenario)
 
 
 class _Remote:

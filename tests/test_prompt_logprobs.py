@@ -14,7 +14,7 @@ import types
 
 import pytest
 
-from fakes import FakeSGLangEngine, fake_logprob, input_logprobs_meta
+from fakes import FakeSGLangEngine, fake_logprob, input_logprobs_meta, run_on_server, verl_server
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.engine import Generation, RolloutEngine
 
@@ -99,25 +99,11 @@ def _verl_extractor():
 
 
 def _server():
-    pytest.importorskip("ray")
-    pytest.importorskip("verl")
-    from sgl_rollout.integrations.verl_server import VerlRolloutServer
-
-    class Server(VerlRolloutServer):
-        engine_factory = FakeSGLangEngine
-
-    return Server({"model_path": "/fake", "enforce_eager": True}, max_model_len=64, response_length=7)
+    return verl_server(response_length=7)
 
 
 def _run(srv, scenario):
-    async def body():
-        await srv.start()
-        try:
-            await scenario(srv._engine._engine)
-        finally:
-            await srv.shutdown()
-
-    asyncio.run(body())
+    run_on_server(srv, scenario)
 
 
 def _teacher(topk):

@@ -22,7 +22,7 @@ pytest.importorskip("verl")
 pytest.importorskip("ray")
 
 from chat_tokenizer import build_chat_model_dir, build_chat_tokenizer  # noqa: E402
-from fakes import FakeSGLangEngine  # noqa: E402
+from fakes import verl_server  # noqa: E402
 from test_multimodal import _verl_client  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput  # noqa: E402
 from verl.tools.base_tool import BaseTool  # noqa: E402
@@ -186,16 +186,10 @@ def test_verls_agent_loop_worker_runs_tool_single_turn_and_custom_loops_through_
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.protocol import DataProto
 
-    from sgl_rollout.integrations.verl_server import VerlRolloutServer
-
-    class Server(VerlRolloutServer):
-        engine_factory = FakeSGLangEngine
-
     TOOL_EVENTS.clear()
     tok = build_chat_tokenizer()
     cfg = _verl_config(tmp_path, build_chat_model_dir(tmp_path / "model"))
-    srv = Server({"model_path": str(tmp_path / "model"), "enforce_eager": True}, max_model_len=8192,
-                 response_length=1024)
+    srv = verl_server(1024, max_model_len=8192, model_path=str(tmp_path / "model"))
     prompts, agents = _rows()
     batch = DataProto(non_tensor_batch={
         "raw_prompt": np.array([np.array(p, dtype=object) for p in prompts] + [], dtype=object),
@@ -288,11 +282,7 @@ def test_a_turn_cut_by_a_weight_update_comes_back_partial_and_the_episode_contin
     from verl.protocol import DataProto
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
 
-    from sgl_rollout.integrations.verl_server import VerlRolloutServer
     from test_multimodal import _OneServerBalancer, _Remote
-
-    class Server(VerlRolloutServer):
-        engine_factory = FakeSGLangEngine
 
     tok = build_chat_tokenizer()
     cfg = _verl_config(tmp_path, build_chat_model_dir(tmp_path / "model"))
@@ -303,8 +293,7 @@ def test_a_turn_cut_by_a_weight_update_comes_back_partial_and_the_episode_contin
     }, meta_info={"global_steps": 5, "validate": False})
 
     async def episode(interrupt: bool):
-        srv = Server({"model_path": str(tmp_path / "model"), "enforce_eager": True}, max_model_len=8192,
-                     response_length=1024)
+        srv = verl_server(1024, max_model_len=8192, model_path=str(tmp_path / "model"))
         await srv.start()
         try:
             fake = srv._engine._engine
