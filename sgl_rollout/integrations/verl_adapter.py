@@ -67,9 +67,9 @@ __all__ = ["SglRolloutAdapter"]
 _DONE = "done"
 
 
-async def _renamed_async(weights):
+async def _renamed_async(weights, rename):
     async for name, tensor in weights:
-        yield name.replace(".base_layer.", "."), tensor
+        yield rename(name.replace(".base_layer.", ".")), tensor
 
 
 async def _checked_fp8(helper, quantized):
@@ -82,9 +82,9 @@ async def _checked_fp8(helper, quantized):
         yield name, tensor
 
 
-def _renamed_sync(weights):
+def _renamed_sync(weights, rename):
     for name, tensor in weights:
-        yield name.replace(".base_layer.", "."), tensor
+        yield rename(name.replace(".base_layer.", ".")), tensor
 
 
 class SglRolloutAdapter(VerlWeightSync, BaseRollout):
@@ -234,9 +234,11 @@ class SglRolloutAdapter(VerlWeightSync, BaseRollout):
 
     # -------------------------------------------------------------- weight sync
     def _named_tensors(self, weights):
-        """``weights`` with LoRA ``.base_layer.`` names folded, FP8-quantized when configured; a sync
-        or an async iterator as ``weights`` (and the quantizer) make it."""
-        weights = _renamed_async(weights) if hasattr(weights, "__aiter__") else _renamed_sync(weights)
+        """``weights`` with LoRA ``.base_layer.`` names folded and transformers >= 5 names renamed to the
+        checkpoint's (:meth:`SyncPath.checkpoint_name`), FP8-quantized when configured; a sync or an async
+        iterator as ``weights`` (and the quantizer) make it."""
+        rename = self._sync_path.checkpoint_name
+        weights = _renamed_async(weights, rename) if hasattr(weights, "__aiter__") else _renamed_sync(weights, rename)
         if self._fp8:
             from verl.utils.sglang.sglang_fp8_utils import SGLangFP8QuantizerHelper
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, List, Optional, Sequence
 
+from .checkpoint_names import checkpoint_renamer
 from .manifest import WeightManifest
 
 logger = logging.getLogger(__name__)
@@ -46,6 +47,19 @@ class SyncPath:
         self._manifest: Optional[WeightManifest] = None
         self._manifest_read = False
         self._fast: Optional[bool] = None
+        self._renamer: Optional[Callable[[str], str]] = None
+        self._renamer_read = False
+
+    def checkpoint_name(self, name: str) -> str:
+        """``name`` as the checkpoint (and the manifest and SGLang's loader) spell it: a transformers >= 5
+        runtime name renamed back (:mod:`.checkpoint_names`, e.g. Qwen2.5-VL's ``model.visual.*`` ->
+        ``visual.*``); unchanged for models whose names need no change. The mapping is read once."""
+        if not self._renamer_read:
+            self._renamer_read = True
+            self._renamer = checkpoint_renamer(self.model_path, trust_remote_code=self.trust_remote_code)
+            if self._renamer is not None:
+                logger.info("weight syncs to %s rename transformers' parameter names to the checkpoint's", self.model_path)
+        return name if self._renamer is None else self._renamer(name)
 
     @property
     def manifest(self) -> Optional[WeightManifest]:
