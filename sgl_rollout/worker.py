@@ -191,9 +191,8 @@ class RolloutWorker:
         sending leaves the engine refusing generates until a complete sync.
 
         Args:
-            named_tensors: (name, tensor) in Hugging Face naming, CPU or CUDA, consumed lazily; a
-                transformers >= 5 model's own names (``model.named_parameters()`` of Qwen2.5-VL:
-                ``model.language_model.*``, ``model.visual.*``) are renamed to its checkpoint's. With
+            named_tensors: (name, tensor) in Hugging Face naming (a transformers >= 5 model's own names
+                are renamed to its checkpoint's, :meth:`SyncPath.renamed`), CPU or CUDA, consumed lazily. With
                 ``config.layered_summon``, pass :func:`~sgl_rollout.weight_sync.layered.iter_layered`
                 of the trainer's model (a generator: a list would gather everything first); buckets
                 then close at decoder-layer boundaries.
@@ -222,9 +221,7 @@ class RolloutWorker:
             raise TypeError("named_tensors is a dict: pass dict.items() (or model.named_parameters())")
         self.engine.settle()  # a release/resume an interrupted caller sent is answered first
         materialised = isinstance(named_tensors, (list, tuple, ItemsView))
-        rename = self.sync_path.checkpoint_name  # transformers >= 5 names -> the checkpoint's
-        renamed = ((rename(item[0]), item[1]) if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-                   else item for item in named_tensors)  # anything else is refused with its reason below
+        renamed = self.sync_path.renamed(named_tensors)  # transformers >= 5 names -> the checkpoint's
         items = list(renamed) if materialised else renamed
         first = (items[0] if items else None) if materialised else next(items, None)
         if first is None and WEIGHTS in self.engine.state.released:

@@ -17,7 +17,7 @@ flattened way.
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
 from .checkpoint_names import checkpoint_renamer
 from .manifest import WeightManifest
@@ -60,6 +60,13 @@ class SyncPath:
             if self._renamer is not None:
                 logger.info("weight syncs to %s rename transformers' parameter names to the checkpoint's", self.model_path)
         return name if self._renamer is None else self._renamer(name)
+
+    def renamed(self, named_tensors: Iterable) -> Iterator:
+        """``named_tensors`` lazily, each ``(str, tensor)`` pair's name as :meth:`checkpoint_name` gives it;
+        any other item passes unchanged (the bucketing refuses it with its reason)."""
+        for item in named_tensors:
+            ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            yield (self.checkpoint_name(item[0]), item[1]) if ok else item
 
     @property
     def manifest(self) -> Optional[WeightManifest]:
