@@ -142,3 +142,27 @@ def test_the_imbalance_check_patch_works_on_each_supported_releases_environ(vers
     patch.apply(env, sglang_version=version)
     assert patch.LEGACY_VAR not in env
     assert _check_enabled(version, env) is False
+
+
+@pytest.mark.parametrize("version", sorted(TESTED))
+def test_the_timing_probe_finds_sglangs_methods_in_each_supported_release(version):
+    """``bench verl``'s probe wraps SGLang's methods by module and name (a post-import hook that never
+    fires for a module that is gone): each wrapped SGLang method exists in each supported release under
+    at least one of the names the probe lists (0.5.12 moved the control calls to tokenizer_control_mixin)."""
+    import ast
+
+    from sgl_rollout.bench import verl_probe
+
+    tree = _tree(version)
+    by_method = {}
+    for module, qualname, _how in verl_probe.TARGETS:
+        if not module.startswith("sglang."):
+            continue
+        path = tree / (module.replace(".", "/") + ".py")
+        cls_name, method = qualname.split(".")
+        found = path.is_file() and any(
+            isinstance(c, ast.ClassDef) and c.name == cls_name
+            and any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == method for f in c.body)
+            for c in ast.walk(ast.parse(path.read_text())))
+        by_method.setdefault(method, []).append(found)
+    assert by_method and all(any(v) for v in by_method.values()), by_method
