@@ -158,6 +158,9 @@ def test_verls_client_images_and_video_reach_sglang_as_verls_builtin_server_send
 
         await client.generate("traj-2", prompt_ids=[1, 2], sampling_params={}, image_data=None)
         assert fake.requests[-1]["image_data"] is None and fake.requests[-1]["video_data"] is None
+        # one item rather than a list (a caller other than verl's agent loop): still one request's list
+        await srv.generate([1, 2], {}, request_id="r", image_data=a, video_data=video)
+        assert fake.requests[-1]["image_data"] == [[a]] and fake.requests[-1]["video_data"] == [[video]]
 
     _run(srv, scenario)
 

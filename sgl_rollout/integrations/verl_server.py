@@ -193,6 +193,12 @@ def teacher_prompt_logprobs(gen, k: int, prompt: List[int]) -> Dict[str, list]:
 
 
 # ======================================================================= server actor
+def _items(data) -> list:
+    """One request's images or videos as a list: a list or tuple as is, a single item (one image, one path,
+    one processor-output dict) as a list of one."""
+    return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
 class VerlRolloutServer(RolloutServer):
     """The engine actor, with the methods verl's replica, server client and checkpoint manager call.
 
@@ -363,7 +369,7 @@ class VerlRolloutServer(RolloutServer):
         self._served["total"] += 1
         self._served["since_sleep"] += 1
         prompt = {} if top_k is None else {"logprob_start_len": 0, "top_logprobs_num": top_k}
-        mm = {k: [list(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v}
+        mm = {k: [_items(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v}
         gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
                                                  lora_path=self._request_adapter(), **prompt, **mm))[0][0]
         token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
