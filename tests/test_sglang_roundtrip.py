@@ -2,7 +2,10 @@
 
 import multiprocessing as mp
 
+import pytest
 import torch
+
+from sgl_rollout.engine.sglang_version import TESTED
 
 from sgl_rollout.weight_sync import flatten_bucket, iter_buckets, serialize
 from sgl_rollout.weight_sync.ipc import DEVICE_ARG_INDEX, _with_uuid
@@ -13,10 +16,14 @@ def _receiver(conn):
     # (tp_worker.update_weights_from_tensor -> ModelRunner._update_weights_from_flattened_bucket).
     import sys
 
-    sys.path.insert(0, conn.recv())
+    tests_dir, tree = conn.recv()
+    sys.path[:0] = [p for p in (tree, tests_dir) if p]
     from _sglang_cpu import ensure_sglang_importable
 
     ensure_sglang_importable()
+    import sglang
+
+    assert tree is None or sglang.__file__.startswith(tree), sglang.__file__  # that release's own code
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket, FlattenedTensorMetadata
 
@@ -42,8 +49,15 @@ def _bits(t):
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def test_flattened_bucket_rebuilt_by_sglang_in_another_process():
+@pytest.mark.parametrize("version", sorted(TESTED))
+def test_flattened_bucket_rebuilt_by_sglang_in_another_process(version):
+    """Each supported release's own deserializer (its SafeUnpickler) and FlattenedTensorBucket."""
     import os
+
+    from sgl_rollout.engine.sglang_version import installed_sglang
+    from test_sglang_versions import _tree
+
+    tree = None if version == installed_sglang() else str(_tree(version))
 
     g = torch.Generator().manual_seed(1)
     base = torch.randn(32, 16, generator=g)
@@ -60,7 +74,7 @@ def test_flattened_bucket_rebuilt_by_sglang_in_another_process():
     proc = ctx.Process(target=_receiver, args=(child,))
     proc.start()
     try:
-        parent.send(os.path.dirname(__file__))
+        parent.send((os.path.dirname(__file__), tree))
         n_buckets = 0
         for bucket in iter_buckets(named, bucket_bytes=4096):
             flat = flatten_bucket(bucket, device="cpu")
