@@ -482,7 +482,8 @@ def write_parquet(data_dir: os.PathLike, n_train: int = 2048, n_val: int = 128, 
     return paths[0], paths[1]
 
 
-def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int = 1, tp: int = 1, steps: int = 20,
+def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int = 1, tp: int = 1, nnodes: int = 1,
+                   steps: int = 20,
                    train_batch_size: int = 32, rollout_n: int = 8, response_length: int = 128,
                    prompt_length: int = 256, test_freq: int = 5, lr: float = 2e-5, kl_coef: float = 0.02,
                    temperature: float = 0.7, gpu_memory_utilization: float = 0.5,
@@ -507,9 +508,12 @@ def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int =
     Args:
         model_dir: Hugging Face model folder (``actor_rollout_ref.model.path``).
         run_dir: run folder; the data must be in ``run_dir/data/{train,val}.parquet``.
-        ngpus: GPUs of the node (``trainer.n_gpus_per_node``); the number of rollout replicas is
-            ``ngpus // tp``.
-        tp: tensor-parallel size of each SGLang engine.
+        ngpus: GPUs of each node (``trainer.n_gpus_per_node``); the number of rollout replicas is
+            ``nnodes * ngpus // tp``.
+        tp: tensor-parallel size of each SGLang engine; larger than ``ngpus`` (a multiple of it), a
+            replica spans ``tp // ngpus`` nodes.
+        nnodes: nodes of the Ray cluster the run joins (``trainer.nnodes``; verl's ``ray.init`` joins the
+            cluster ``RAY_ADDRESS`` names).
         steps: training steps (``trainer.total_training_steps``).
         train_batch_size: prompts per step; ``rollout_n`` samples each.
         rollout_n: GRPO group size, >= 2.
@@ -529,17 +533,17 @@ def grpo_overrides(model_dir: os.PathLike, run_dir: os.PathLike, *, ngpus: int =
         ValueError: sizes that verl would reject or that do not split over the GPUs (``ngpus`` not a
             multiple of ``tp``, a batch that does not divide over ``ngpus``, ``rollout_n`` < 2, ...).
     """
-    _check_grpo_sizes(ngpus, tp, steps, test_freq, rollout_n, train_batch_size, gpu_memory_utilization)
+    _check_grpo_sizes(ngpus, tp, steps, test_freq, rollout_n, train_batch_size, gpu_memory_utilization, nnodes)
     run = Path(run_dir).resolve()
     mini = train_batch_size // 2
-    micro = min(128, mini * rollout_n // ngpus)  # one micro-batch per PPO mini-batch, see the docstring
-    name = experiment_name or f"grpo_arith_{ngpus}gpu_tp{tp}"
+    micro = min(128, mini * rollout_n // (ngpus * nnodes))  # one micro-batch per PPO mini-batch, see the docstring
+    name = experiment_name or f"grpo_arith_{ngpus}gpu_tp{tp}" + (f"_{nnodes}nodes" if nnodes > 1 else "")
     return [*_GRPO_ALGORITHM_OVERRIDES,
             *_grpo_data_overrides(run / "data", train_batch_size, prompt_length, response_length),
             *_grpo_actor_overrides(model_dir, lr, mini, micro, kl_coef),
             *_grpo_rollout_overrides(tp, gpu_memory_utilization, rollout_n, temperature, micro),
             *_grpo_reward_overrides(),
-            *_grpo_trainer_overrides(run, name, ngpus, steps, test_freq)]
+            *_grpo_trainer_overrides(run, name, ngpus, steps, test_freq, nnodes)]
 
 
 #: GRPO, KL as a loss term (not in the reward).
@@ -556,14 +560,22 @@ _GRPO_SGLANG_ENGINE_OVERRIDES = (
 )
 
 def _check_grpo_sizes(ngpus: int, tp: int, steps: int, test_freq: int, rollout_n: int, train_batch_size: int,
-                      gpu_memory_utilization: float) -> None:
+                      gpu_memory_utilization: float, nnodes: int = 1) -> None:
     """Refuse the sizes of :func:`grpo_overrides` that verl would reject or that do not split over the GPUs.
 
     Raises:
         ValueError: the first size that does not fit, with the reason.
     """
-    if tp < 1 or ngpus < 1 or ngpus % tp:
-        raise ValueError(f"NGPUS ({ngpus}) must be a positive multiple of TP ({tp})")
+    if nnodes < 1:
+        raise ValueError(f"NNODES must be >= 1, got {nnodes}")
+    if tp > ngpus and nnodes > 1:
+        if tp % ngpus or (ngpus * nnodes) % tp:
+            raise ValueError(f"TP ({tp}) over nodes must be a multiple of NGPUS ({ngpus}, the GPUs of a node) "
+                             f"and divide the {ngpus * nnodes} GPUs of {nnodes} nodes")
+    elif tp < 1 or ngpus < 1 or ngpus % tp:
+        raise ValueError(f"NGPUS ({ngpus}) must be a positive multiple of TP ({tp})"
+                         + ("" if nnodes > 1 else "; a larger TP needs NNODES > 1"))
+    ngpus = ngpus * nnodes  # what the batch splits over
     if steps < 1 or test_freq < 1:
         raise ValueError(f"steps ({steps}) and test_freq ({test_freq}) must be >= 1")
     if rollout_n < 2:
@@ -648,16 +660,17 @@ def _grpo_reward_overrides() -> List[str]:
     ]
 
 
-def _grpo_trainer_overrides(run: Path, name: str, ngpus: int, steps: int, test_freq: int) -> List[str]:
-    """The ``trainer.*`` overrides of :func:`grpo_overrides` (one node, no checkpoints, validation before
-    training), its outputs under ``run``, and hydra's and verl's file logger's paths there too."""
+def _grpo_trainer_overrides(run: Path, name: str, ngpus: int, steps: int, test_freq: int, nnodes: int = 1) -> List[str]:
+    """The ``trainer.*`` overrides of :func:`grpo_overrides` (``nnodes`` nodes of ``ngpus`` GPUs, no
+    checkpoints, validation before training), its outputs under ``run``, and hydra's and verl's file
+    logger's paths there too."""
     return [
         "trainer.critic_warmup=0",
         "trainer.logger=[console,file]",
         "trainer.project_name=sgl_rollout",
         f"trainer.experiment_name={name}",
         f"trainer.n_gpus_per_node={ngpus}",
-        "trainer.nnodes=1",
+        f"trainer.nnodes={nnodes}",
         f"trainer.total_training_steps={steps}",
         "trainer.save_freq=-1",
         "trainer.resume_mode=disable",

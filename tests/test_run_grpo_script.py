@@ -17,7 +17,8 @@ SCRIPT = ROOT / "examples" / "verl" / "run_grpo.sh"
 
 def _env(**extra):
     env = {k: v for k, v in os.environ.items()
-           if k not in ("VERL_USE_EXTERNAL_PLUGINS", "DRY_RUN", "OUT", "MODEL", "GGUF", "NGPUS", "TP", "STEPS")}
+           if k not in ("VERL_USE_EXTERNAL_PLUGINS", "DRY_RUN", "OUT", "MODEL", "GGUF", "NGPUS", "TP", "STEPS",
+                        "NNODES", "RAY_ADDRESS")}
     env.update(extra)
     return env
 
@@ -69,6 +70,16 @@ def test_bad_gpu_layout_fails_before_creating_the_run_folder(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA GPU")
+def test_nnodes_without_a_ray_cluster_fails_before_creating_the_run_folder(tmp_path):
+    model = _fake_model(tmp_path / "model")
+    run = tmp_path / "run"
+    out = _run(tmp_path, _env(PYTHON=sys.executable, MODEL=str(model), OUT=str(run), NNODES="2", TP="2"))
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("run_grpo.sh: NNODES=2 needs a Ray cluster")
+    assert "RAY_ADDRESS" in out.stderr
+    assert not run.exists()
+
+
 def test_no_gpu_fails_before_creating_the_run_folder(tmp_path):
     model = _fake_model(tmp_path / "model")
     run = tmp_path / "run"

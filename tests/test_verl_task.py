@@ -371,3 +371,32 @@ def test_prepare_command_with_a_model_folder(tmp_path, tiny_model, capsys):
     assert pq.read_table(tmp_path / "data" / "val.parquet").num_rows == 4
     assert verl_task.main(["prepare", "--out", str(tmp_path), "--model", str(tmp_path / "nope")]) == 2
     assert re.search(r"no config\.json", capsys.readouterr().err)
+
+
+def test_nnodes_compose_a_replica_over_two_nodes(tmp_path, tiny_model):
+    """NNODES=2 NGPUS=1 TP=2 (issue 39 item 5): verl's trainer on two nodes of one GPU, one rollout replica
+    at TP=2 over both, as verl composes and checks it and as this package lays it out."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    from sgl_rollout.engine.layout import plan_replicas
+
+    model_dir, _ = tiny_model
+    overrides = verl_task.overrides_from_env(model_dir, tmp_path / "run", {"NGPUS": "1", "TP": "2", "NNODES": "2"})
+    cfg = trainer_config(overrides)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 1)
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 64  # 16 prompts x 8 over 2 GPUs
+    assert cfg.trainer.experiment_name == "grpo_arith_1gpu_tp2_2nodes"
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    (replica,) = plan_replicas(n_gpus=2, tp_size=2, gpus_per_node=1)
+    assert replica.nnodes == 2
+
+
+def test_nnodes_errors():
+    with pytest.raises(ValueError, match="a larger TP needs NNODES > 1"):
+        verl_task.grpo_overrides("/m", "/r", ngpus=1, tp=2)
+    with pytest.raises(ValueError, match="TP \\(3\\) over nodes must be a multiple of NGPUS \\(2"):
+        verl_task.grpo_overrides("/m", "/r", ngpus=2, tp=3, nnodes=2)
+    with pytest.raises(ValueError, match="NNODES must be >= 1"):
+        verl_task.grpo_overrides("/m", "/r", nnodes=0)

@@ -11,8 +11,10 @@
 #    `python -m sgl_rollout.demo.verl_task overrides` (the list the tests compose),
 # 4. plots RUN_DIR/metrics.jsonl into reward.png, timing.png, summary.json.
 #
-# Environment: NGPUS (GPUs, default 1), TP (tensor-parallel size of each engine, default 1; replicas =
-# NGPUS / TP), STEPS (default 20), OUT (run folder, default runs/verl-grpo-<date>-<time>), GGUF, MODEL,
+# Environment: NGPUS (GPUs of each node, default 1), TP (tensor-parallel size of each engine, default 1;
+# replicas = NNODES * NGPUS / TP), NNODES (nodes, default 1: more joins the Ray cluster that RAY_ADDRESS
+# names, started with `ray start` on every node; a TP larger than NGPUS spans nodes), STEPS (default 20),
+# OUT (run folder, default runs/verl-grpo-<date>-<time>), GGUF, MODEL,
 # PYTHON (the interpreter of every step; default: the active virtualenv's python, else this checkout's
 # .venv/bin/python, else python, else python3), DRY_RUN=1 (print verl's composed config instead of
 # training; no GPU needed).
@@ -46,8 +48,11 @@ if [ $# -gt 0 ] && [[ "$1" == *.gguf ]]; then
   GGUF=$1
   shift
 fi
-export NGPUS=${NGPUS:-1} TP=${TP:-1} STEPS=${STEPS:-20}
+export NGPUS=${NGPUS:-1} TP=${TP:-1} NNODES=${NNODES:-1} STEPS=${STEPS:-20}
 fail() { echo "run_grpo.sh: $*" >&2; exit 2; }
+if [ "${DRY_RUN:-0}" != "1" ] && [ "$NNODES" != "1" ] && [ -z "${RAY_ADDRESS:-}" ]; then
+  fail "NNODES=$NNODES needs a Ray cluster over the nodes: run \`ray start --head\` on one and \`ray start --address=<head>:6379\` on the others, then export RAY_ADDRESS=<head>:6379"
+fi
 
 # ---- checks: nothing below writes the run folder until all of them pass
 gpus=$("$PYTHON" -c 'import sgl_rollout, torch; print(torch.cuda.device_count())' | tail -n 1) \
@@ -78,7 +83,7 @@ export VERL_FILE_LOGGER_PATH="$OUT/metrics.jsonl"
 export HYDRA_FULL_ERROR=1
 cmd=("$PYTHON" -m verl.trainer.main_ppo "${OVERRIDES[@]}" "$@")
 printf '%q ' "${cmd[@]}" > "$OUT/command.sh"; echo >> "$OUT/command.sh"
-echo "run_grpo.sh: NGPUS=$NGPUS TP=$TP STEPS=$STEPS model $MODEL_DIR, run folder $OUT" >&2
+echo "run_grpo.sh: NNODES=$NNODES NGPUS=$NGPUS TP=$TP STEPS=$STEPS model $MODEL_DIR, run folder $OUT" >&2
 
 if [ "${DRY_RUN:-0}" = "1" ]; then
   "${cmd[@]}" --cfg job --resolve

@@ -98,15 +98,16 @@ def _env_int(environ: Mapping[str, str], name: str, default: int) -> int:
 
 def overrides_from_env(model_dir: os.PathLike, run_dir: os.PathLike,
                        environ: Optional[Mapping[str, str]] = None) -> List[str]:
-    """:func:`grpo_overrides` with ``ngpus``, ``tp``, ``steps`` from ``NGPUS`` (default 1), ``TP``
-    (default 1) and ``STEPS`` (default 20) of ``environ`` (None: ``os.environ``).
+    """:func:`grpo_overrides` with ``ngpus``, ``tp``, ``nnodes``, ``steps`` from ``NGPUS`` (GPUs per node,
+    default 1), ``TP`` (default 1), ``NNODES`` (default 1) and ``STEPS`` (default 20) of ``environ``
+    (None: ``os.environ``).
 
     Raises:
         ValueError: a variable that is not an integer, or sizes :func:`grpo_overrides` rejects.
     """
     env = os.environ if environ is None else environ
     return grpo_overrides(model_dir, run_dir, ngpus=_env_int(env, "NGPUS", 1), tp=_env_int(env, "TP", 1),
-                          steps=_env_int(env, "STEPS", 20))
+                          nnodes=_env_int(env, "NNODES", 1), steps=_env_int(env, "STEPS", 20))
 
 
 # ------------------------------------------------------------------------------- metrics, plots
@@ -269,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, default=0)
     pr.add_argument("--digits", type=_digits, default=DEFAULT_DIGITS, help="operand sizes, e.g. 1,2")
     ov = sub.add_parser("overrides", help="print the hydra overrides, one a line "
-                        "(NGPUS, TP, STEPS from the environment)")
+                        "(NGPUS, TP, NNODES, STEPS from the environment)")
     ov.add_argument("--model", required=True, metavar="DIR")
     ov.add_argument("--out", required=True, metavar="RUN_DIR")
     pl = sub.add_parser("plot", help="PNGs and summary.json of a run from its metrics.jsonl")
