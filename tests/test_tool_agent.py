@@ -80,6 +80,8 @@ def _reply(tok):
         last_user = text.rsplit("<|im_start|>user", 1)[-1]
         if "Shorter." in last_user:
             out = "Hi.<|im_end|>"
+        elif "Use the atlas" in last_user:  # a tool the worker does not have
+            out = '<tool_call>\n{"name": "atlas", "arguments": {"place": "Paris"}}\n</tool_call><|im_end|>'
         elif "Keep checking" in text:  # never satisfied: stopped by max_assistant_turns
             out = '<tool_call>\n{"name": "count_letters", "arguments": {"word": "loop", "letter": "o"}}\n</tool_call><|im_end|>'
         elif "<tool_response>" in last_user:
@@ -167,8 +169,9 @@ def _rows():
         [{"role": "user", "content": "Say hello."}],
         [{"role": "user", "content": "Greet me."}],
         [{"role": "user", "content": "Keep checking the letters."}],
+        [{"role": "user", "content": "Use the atlas for Paris."}],
     ]
-    return prompts, ["tool_agent", "single_turn_agent", "two_pass", "tool_agent"]
+    return prompts, ["tool_agent", "single_turn_agent", "two_pass", "tool_agent", "tool_agent"]
 
 
 def _segments(tok, ids, mask):
@@ -212,7 +215,8 @@ def test_verls_agent_loop_worker_runs_tool_single_turn_and_custom_loops_through_
     turns = out.non_tensor_batch["__num_turns__"].tolist()
     # tool_agent: user, assistant (2 calls), tools, assistant; single turn; the custom loop's own count;
     # the never-satisfied agent: stopped after max_assistant_turns assistant turns (2 tool turns between)
-    assert turns == [4, 2, 4, 1 + MAX_ASSISTANT_TURNS + (MAX_ASSISTANT_TURNS - 1)]
+    # an unknown tool: verl's loop answers the model with the tools it has (masked out), then the model answers
+    assert turns == [4, 2, 4, 1 + MAX_ASSISTANT_TURNS + (MAX_ASSISTANT_TURNS - 1), 4]
 
     responses, mask = out.batch["responses"], out.batch["response_mask"]
     logprobs = out.batch["rollout_log_probs"]
@@ -234,6 +238,10 @@ def test_verls_agent_loop_worker_runs_tool_single_turn_and_custom_loops_through_
     assert ("create", {"row": 0}) in TOOL_EVENTS and ("execute", {"word": "banana", "letter": "a"}) in TOOL_EVENTS
     assert sum(e == "release" for e, _ in TOOL_EVENTS) == sum(e == "create" for e, _ in TOOL_EVENTS)
 
+    row4 = _segments(tok, out.batch["responses"][4].tolist(), out.batch["response_mask"][4].tolist())
+    assert any(m == 0 and "Unknown function 'atlas'" in t and "get_weather" in t for m, t in row4), row4
+    assert [m for m, t in row4 if not t.startswith("<|endoftext|>")] == [1, 0, 1], row4
+
     row1 = _segments(tok, responses[1].tolist(), mask[1].tolist())
     assert row1[0] == (1, "Hello there!<|im_end|>")
     row2 = _segments(tok, responses[2].tolist(), mask[2].tolist())
@@ -242,7 +250,7 @@ def test_verls_agent_loop_worker_runs_tool_single_turn_and_custom_loops_through_
 
     # each turn asks SGLang for the whole conversation so far: earlier prompt + its answer + what came between
     by_text = [(r["input_ids"][0], tok.decode(r["input_ids"][0], skip_special_tokens=False)) for r in requests]
-    paris = [ids for ids, text in by_text if "Paris" in text]
+    paris = [ids for ids, text in by_text if "banana" in text]
     assert len(paris) == 2
     first_answer = _reply(tok)(paris[0])
     assert paris[1][:len(paris[0]) + len(first_answer)] == paris[0] + first_answer
