@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
-from ..workloads import SCORE_KEY, load_metrics, val_accuracy
+from ..workloads import SCORE_KEY, load_metrics, metric_value, val_accuracy
 
 #: The two sides of a pair, in the order of the table's columns.
 SIDES = ("builtin", "ours")
@@ -67,14 +67,6 @@ def med(xs: Sequence[float]) -> Optional[float]:
     return statistics.median(xs) if xs else None
 
 
-def _num(v) -> Optional[float]:
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
 # ------------------------------------------------------------------------------------ loading
 def load_spans(folder: Path) -> List[dict]:
     """Every span of ``folder/spans-*.jsonl`` (:mod:`.verl_probe`), sorted by start; lines that are not
@@ -101,7 +93,7 @@ def _read_json(path: Path) -> dict:
 
 def training_rows(rows: List[dict]) -> List[dict]:
     """verl's records of training steps (those with a rollout score), in step order."""
-    return [r for r in rows if _num(r.get(SCORE_KEY)) is not None]
+    return [r for r in rows if metric_value(r.get(SCORE_KEY)) is not None]
 
 
 # ------------------------------------------------------------------------------------ breakdown
@@ -427,19 +419,19 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     later = train[1:]
     later_steps = {r["step"] for r in later}
     out["metrics"] = metrics = _step_metrics(later)
-    out["reward"] = [[r["step"], _num(r.get(SCORE_KEY))] for r in train]
+    out["reward"] = [[r["step"], metric_value(r.get(SCORE_KEY))] for r in train]
     out["val_acc"] = [[s, a] for s, a in val_accuracy(rows)]
-    out["per_step"] = {r["step"]: {k: _num(r.get(k)) for k in TIMING_KEYS if _num(r.get(k)) is not None} for r in train}
+    out["per_step"] = {r["step"]: {k: metric_value(r.get(k)) for k in TIMING_KEYS if metric_value(r.get(k)) is not None} for r in train}
     out.update(_nvml_summary(_read_json(run_dir / "nvml.json")))
     spans = load_spans(run_dir / "spans")
     spans, memory = [s for s in spans if s["name"] != MEMORY_SPAN], memory_around_update(spans)
     if memory:
         out["update_memory"] = summarize_memory(memory, later_steps)
-    update_by_step = {r["step"]: _num(r.get(UPDATE_KEY)) for r in train}
+    update_by_step = {r["step"]: metric_value(r.get(UPDATE_KEY)) for r in train}
     per_step_phases, sleep_by_step, order = _update_phases_by_step(steps_of(spans), update_by_step)
     out.update(_update_summary(per_step_phases, order, later_steps))
     waits = [g - sleep_by_step[r["step"]] for r in later
-             if (g := _num(r.get("timing_s/gen"))) is not None and r["step"] in sleep_by_step]
+             if (g := metric_value(r.get("timing_s/gen"))) is not None and r["step"] in sleep_by_step]
     if waits:
         metrics[GEN_WAIT_KEY] = _distribution(waits)
     gen = {k: v for k, v in gen_breakdown(spans).items() if k in later_steps}
@@ -474,7 +466,7 @@ def _step_metrics(later: List[dict]) -> Dict[str, dict]:
     first): key -> :func:`_distribution`, for each key logged as a number in at least one row."""
     metrics = {}
     for key in TIMING_KEYS + MEMORY_KEYS:
-        vals = [v for r in later if (v := _num(r.get(key))) is not None]
+        vals = [v for r in later if (v := metric_value(r.get(key))) is not None]
         if vals:
             metrics[key] = _distribution(vals)
     return metrics
