@@ -352,11 +352,14 @@ class VerlRolloutServer(RolloutServer):
                 prompt (:func:`teacher_prompt_logprobs`).
             MemoryStateError, EngineDeadError, EngineClosedError: from the engine, unchanged.
         """
-        if audio_data or mm_processor_kwargs:
+        if audio_data:
+            raise NotImplementedError("sgl-rollout takes images and videos but not audio_data "
+                                      "(verl's built-in SGLang server takes no audio either)")
+        if mm_processor_kwargs:
             raise NotImplementedError(
-                "sgl-rollout takes images and videos but not " + ("audio_data" if audio_data else "mm_processor_kwargs")
-                + " (verl's built-in SGLang server takes neither; SGLang's per-request form has no processor kwargs: "
-                "set data.mm_processor_kwargs to null and the processor's settings in the model folder)")
+                "sgl-rollout takes images and videos but not mm_processor_kwargs (SGLang's requests carry no "
+                "processor settings, nor does verl's built-in server pass them): set data.mm_processor_kwargs "
+                "to null and put the processor's settings in the model folder's preprocessor_config.json")
         extra = sorted(k for k, v in kwargs.items() if v is not None)
         if extra:
             raise NotImplementedError(f"sgl-rollout's generate does not take {extra}")
