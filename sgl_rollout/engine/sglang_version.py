@@ -41,17 +41,20 @@ def installed_sglang() -> Optional[str]:
         return None
 
 
+def _inside(version: str) -> bool:
+    try:
+        return Version(version) in SUPPORTED
+    except InvalidVersion:
+        return False
+
+
 def support_line(version: Optional[str]) -> str:
     """One line on ``version``: which tested release it is, or why it is outside :data:`SUPPORTED`."""
     if version is None:
         return "not installed"
     if version in TESTED:
         return f"{version} (tested: {TESTED[version]})"
-    try:
-        inside = Version(version) in SUPPORTED
-    except InvalidVersion:
-        inside = False
-    if inside:
+    if _inside(version):
         return f"{version} (inside the supported range {SUPPORTED}, but not itself checked; checked: {', '.join(TESTED)})"
     return (f"{version} is outside the range sgl-rollout supports ({SUPPORTED}; checked: {', '.join(TESTED)}): "
             f"install sglang==0.5.12 (verl 0.9.1's pin) or 0.5.10.post1, or set {ALLOW_ENV}=1 to start anyway")
@@ -71,9 +74,5 @@ def check_sglang_version(version: Optional[str] = None) -> None:
     version = installed_sglang() if version is None else version
     if version is None or os.environ.get(ALLOW_ENV) == "1":
         return
-    try:
-        inside = Version(version) in SUPPORTED
-    except InvalidVersion:
-        inside = False
-    if not inside:
+    if not _inside(version):
         raise UnsupportedSGLangVersion("sglang " + support_line(version))
