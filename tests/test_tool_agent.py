@@ -6,7 +6,7 @@ verl's real ``LLMServerClient`` into this package's :class:`VerlRolloutServer` a
 tool (``function_tool_path``) and one ``BaseTool`` subclass (``tool_config_path``), as verl's own tests
 under ``tests/experimental/agent_loop/`` set them up. SGLang is the engine double of ``tests/fakes.py``
 with a scripted "model" (a function of the prompt's text), so the turns are deterministic; the tokenizer is
-the byte-level ChatML one of ``tests/chat_tokenizer.py``, read by verl's real ``hermes`` parser. The GPU
+the byte-level ChatML one of ``sgl_rollout/bench/chat_tokenizer.py``, read by verl's real ``hermes`` parser. The GPU
 test compares the turns' token ids with verl's built-in server under greedy decoding."""
 
 import asyncio
@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("verl")
 pytest.importorskip("ray")
 
-from chat_tokenizer import build_chat_model_dir, build_chat_tokenizer  # noqa: E402
+from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir, build_chat_tokenizer  # noqa: E402
 from fakes import verl_server  # noqa: E402
 from test_multimodal import _verl_client  # noqa: E402
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput  # noqa: E402

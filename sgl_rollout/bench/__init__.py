@@ -9,7 +9,9 @@
   (:mod:`.requests`);
 * ``scale``: sync and switch cost at 8, 64 and 1,000 GPUs, on paper (:mod:`.scale`).
 
-:mod:`.models` makes the Llama-shaped model folders they (and the GPU tests) use.
+:mod:`.models` makes the Llama-shaped model folders they (and the GPU tests) use; :mod:`.vlm` a tiny
+Qwen2.5-VL folder (random weights, processor built from its config) and :mod:`.chat_tokenizer` the offline
+byte-level ChatML tokenizer (tools, vision placeholders) it and the agent-loop tests use.
 """
 
 from .models import LLAMA_1B, LLAMA_TINY, LORA_TARGETS, SMOLLM2_135M, gpu_engine_flags, llama_named_tensors, \

@@ -1,16 +1,21 @@
-"""An offline chat tokenizer for the agent-loop tests: byte-level, one token per byte, ChatML turns
-(``<|im_start|>role ... <|im_end|>``) and hermes-style tool calls (``<tool_call>{json}</tool_call>``,
-tool results as ``<tool_response>`` blocks in a user turn), the format verl's ``hermes`` tool parser
-reads (``verl/experimental/agent_loop/tool_parser.py``). The chat template is written here for these
-tests; no hub download, no model's own template."""
+"""An offline chat tokenizer for the agent-loop tests and the tiny vision-language model: byte-level,
+one token per byte, ChatML turns (``<|im_start|>role ... <|im_end|>``) and hermes-style tool calls
+(``<tool_call>{json}</tool_call>``, tool results as ``<tool_response>`` blocks in a user turn), the format
+verl's ``hermes`` tool parser reads (``verl/experimental/agent_loop/tool_parser.py``). The chat template
+is written here; no hub download, no model's own template."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-#: ChatML with a tools preamble and hermes tool calls / responses.
+#: ChatML with a tools preamble and hermes tool calls / responses; a message whose content is a list of
+#: parts renders image and video parts as Qwen2-VL's placeholder runs.
 CHAT_TEMPLATE = (
+    "{%- macro render(c) -%}{%- if c is string -%}{{ c }}{%- else -%}{%- for p in c -%}"
+    "{%- if p.type == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif p.type == 'video' -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- else -%}{{ p.text }}{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
     "{%- if tools -%}"
     "{{ '<|im_start|>system\\nTools you may call, one JSON object each inside <tool_call></tool_call>:\\n<tools>' }}"
     "{%- for tool in tools -%}{{ '\\n' + (tool | tojson) }}{%- endfor -%}"
@@ -29,7 +34,7 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{{ '<|im_end|>\\n' }}"
     "{%- else -%}"
-    "{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{{ '<|im_start|>' + m.role + '\\n' }}{{ render(m.content) }}{{ '<|im_end|>\\n' }}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
@@ -39,9 +44,10 @@ SPECIAL = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool
            "</tool_response>"]
 
 
-def build_chat_tokenizer():
-    """A ``PreTrainedTokenizerFast``: 256 byte tokens (ids 0..255) then :data:`SPECIAL` (ids 256..262);
-    eos ``<|im_end|>``, pad ``<|endoftext|>``, chat template :data:`CHAT_TEMPLATE`."""
+def build_chat_tokenizer(extra_special=()):
+    """A ``PreTrainedTokenizerFast``: 256 byte tokens (ids 0..255) then :data:`SPECIAL` (ids 256..262),
+    then ``extra_special`` in order (ids 263...); eos ``<|im_end|>``, pad ``<|endoftext|>``, chat
+    template :data:`CHAT_TEMPLATE`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,7 +56,8 @@ def build_chat_tokenizer():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.add_special_tokens({"additional_special_tokens": [t for t in SPECIAL if t not in ("<|im_end|>", "<|endoftext|>")]})
+    extra = [t for t in SPECIAL if t not in ("<|im_end|>", "<|endoftext|>")] + list(extra_special)
+    tok.add_special_tokens({"additional_special_tokens": extra})
     tok.chat_template = CHAT_TEMPLATE
     return tok
 

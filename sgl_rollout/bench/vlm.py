@@ -1,0 +1,138 @@
+"""A tiny Qwen2.5-VL-shaped model folder with random weights, its tokenizer and its processor, made
+offline (no hub): what the vision-language GPU tests and benchmarks load into SGLang and into Hugging
+Face's ``Qwen2_5_VLForConditionalGeneration`` to compare them.
+
+The folder is what a Qwen2.5-VL checkpoint on the hub holds, in its shape only:
+
+* ``config.json`` in the hub's flat layout (text fields at the top level, ``vision_config``,
+  ``rope_scaling = {"type": "mrope", "mrope_section": [...]}`` and the vision token ids), which both
+  transformers 5 and SGLang's ``Qwen2_5_VLForConditionalGeneration`` (``sglang/srt/models/qwen2_5_vl.py``)
+  read as they read the real checkpoints';
+* ``model.safetensors`` under checkpoint names (``model.layers.*``, ``visual.*``; transformers 5 saves
+  them so);
+* the byte-level ChatML tokenizer of :mod:`.chat_tokenizer` with Qwen2-VL's vision tokens
+  (``<|vision_start|>``, ``<|image_pad|>``, ``<|video_pad|>``, ...), and a ``Qwen2_5_VLProcessor``
+  (image and video processors with Qwen2-VL's patch 14, merge 2, temporal patch 2). The processor
+  needs torchvision (the GPU hosts have it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict
+
+import torch
+
+from .chat_tokenizer import build_chat_tokenizer
+
+#: Qwen2-VL's vision tokens, in the order the tokenizer adds them after the chat tokens.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+#: A small Qwen2.5-VL: 2 text layers (head_dim 64, mrope sections summing to 32), a 2-block vision tower
+#: with one full-attention block and 4x4-patch windows (window_size 112 = 8 patches of 14).
+QWEN2_5_VL_TINY = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=512, max_position_embeddings=4096, mrope_section=[8, 12, 12],
+    vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, fullatt_block_indexes=[1],
+                window_size=112),
+)
+
+#: Pixel bounds of the tiny model's processor: 4 to 256 merged 28x28 patches per image or frame pair.
+MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 256 * 28 * 28
+
+
+def qwen2_5_vl_config(tokenizer, shape: Dict = QWEN2_5_VL_TINY) -> dict:
+    """The ``config.json`` of a Qwen2.5-VL of ``shape`` in the hub's layout, with ``tokenizer``'s ids for
+    the vision tokens, eos and pad (bf16, tied embeddings off)."""
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    v = shape["vision"]
+    return {
+        "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+        "hidden_act": "silu", "hidden_size": shape["hidden_size"], "intermediate_size": shape["intermediate_size"],
+        "num_hidden_layers": shape["num_hidden_layers"], "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": shape["num_key_value_heads"], "vocab_size": shape["vocab_size"],
+        "max_position_embeddings": shape["max_position_embeddings"], "max_window_layers": shape["num_hidden_layers"],
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "sliding_window": shape["max_position_embeddings"],
+        "use_sliding_window": False, "attention_dropout": 0.0, "initializer_range": 0.02, "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16", "use_cache": True,
+        "bos_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+        "vision_token_id": ids["<|vision_pad|>"], "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "rope_scaling": {"type": "mrope", "mrope_section": list(shape["mrope_section"])},
+        "vision_config": {
+            "depth": v["depth"], "hidden_act": "silu", "hidden_size": v["hidden_size"],
+            "intermediate_size": v["intermediate_size"], "num_heads": v["num_heads"], "in_chans": 3,
+            "out_hidden_size": shape["hidden_size"], "patch_size": 14, "spatial_merge_size": 2,
+            "spatial_patch_size": 14, "temporal_patch_size": 2, "window_size": v["window_size"],
+            "fullatt_block_indexes": list(v["fullatt_block_indexes"]), "tokens_per_second": 2,
+        },
+    }
+
+
+def build_vlm_processor(tokenizer):
+    """A ``Qwen2_5_VLProcessor`` around ``tokenizer``: Qwen2-VL's image and video processors with
+    :data:`MIN_PIXELS` / :data:`MAX_PIXELS` and no frame sampling (every frame given is used).
+
+    Raises:
+        ImportError: torchvision is missing (transformers' Qwen2-VL video processor needs it).
+    """
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+
+    size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    return Qwen2_5_VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2),
+        video_processor=Qwen2VLVideoProcessor(size=size, patch_size=14, merge_size=2, temporal_patch_size=2,
+                                              do_sample_frames=False),
+        tokenizer=tokenizer, chat_template=tokenizer.chat_template)
+
+
+def make_qwen2_5_vl_dir(path: str, shape: Dict = QWEN2_5_VL_TINY, seed: int = 0, init_std: float = 0.15,
+                        with_processor: bool = True):
+    """Write a Qwen2.5-VL model folder of ``shape`` with random bf16 weights (see the module docstring).
+
+    Args:
+        path: folder to write.
+        shape: :data:`QWEN2_5_VL_TINY`'s fields.
+        seed, init_std: every matrix drawn from N(0, ``init_std``), biases from N(0, 0.1) (zero in HF's
+            own init, which would hide a bias the sync missed), norms from U(0.5, 1.5).
+        with_processor: also save the processor (needs torchvision); the tokenizer is saved either way.
+
+    Returns:
+        the ``Qwen2_5_VLForConditionalGeneration`` (bf16, on CPU), loaded back from ``path`` so that its
+        config is the one SGLang reads.
+    """
+    from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
+
+    os.makedirs(path, exist_ok=True)
+    tok = build_chat_tokenizer(extra_special=VISION_TOKENS)
+    tok.save_pretrained(path)
+    if with_processor:
+        build_vlm_processor(tok).save_pretrained(path)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(qwen2_5_vl_config(tok, shape), f, indent=1)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(AutoConfig.from_pretrained(path),
+                                                             torch_dtype=torch.bfloat16)
+    redraw(model, seed, init_std)
+    model.save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "config.json"), "w") as f:  # save_pretrained rewrote it in its own layout
+        json.dump(qwen2_5_vl_config(tok, shape), f, indent=1)
+    return model.eval()
+
+
+def redraw(model, seed: int, init_std: float = 0.15) -> None:
+    """Redraw every parameter of ``model`` in place from ``seed``: matrices N(0, ``init_std``), biases
+    N(0, 0.1), 1-D norm weights U(0.5, 1.5). A trainer step's stand-in that changes greedy output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                new = torch.randn(p.shape, generator=g) * init_std
+            elif name.endswith("bias"):
+                new = torch.randn(p.shape, generator=g) * 0.1
+            else:
+                new = torch.rand(p.shape, generator=g) + 0.5
+            p.copy_(new.to(p.dtype))
