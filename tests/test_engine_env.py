@@ -55,7 +55,21 @@ def test_engine_processes_see_the_env_and_host_env_is_restored(monkeypatch):
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True,max_split_size_mb:64"
     assert os.environ[tpi.LEGACY_VAR] == "true"
     assert "SGLANG_MEMORY_SAVER_CUDA_GRAPH" not in os.environ
+    assert "SGLANG_VLM_CACHE_SIZE_MB" not in seen  # fast_sync (default): the receiver empties the cache
     eng.shutdown()
+
+
+def test_without_the_fast_path_sglangs_multimodal_embedding_cache_is_off(monkeypatch):
+    """SGLang's own loader leaves the vision-tower outputs it cached per image across a sync; only the
+    fast-path loader empties them, so an engine without it runs with the cache off."""
+    monkeypatch.delenv("SGLANG_VLM_CACHE_SIZE_MB", raising=False)
+    assert engine_env_updates("0.5.12", base={}, mm_embedding_cache=False)["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    eng = RolloutEngine(RolloutConfig(model_path="/fake", fast_sync=False), engine_factory=FakeSGLangEngine)
+    try:
+        assert eng._engine.env_at_start["SGLANG_VLM_CACHE_SIZE_MB"] == "0"
+    finally:
+        eng.shutdown()
+    assert "SGLANG_VLM_CACHE_SIZE_MB" not in os.environ
 
 
 class _SpawningEngine(FakeSGLangEngine):

@@ -13,6 +13,7 @@ the real SGLang models on a GPU in ``tests/gpu/test_fast_path_gpu.py``.
 import copy
 import functools
 import itertools
+import sys
 import threading
 import time
 
@@ -24,6 +25,7 @@ from _sglang_cpu import ensure_sglang_importable
 from fakes import ThreadGroup
 from sgl_rollout.config import FAST_SYNC_LOADER
 from sgl_rollout.weight_sync import plan as plan_mod
+from sgl_rollout.weight_sync import receiver
 from sgl_rollout.weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 from sgl_rollout.weight_sync.plan import Chunk, layout
 from sgl_rollout.weight_sync.fast_path import FastPathError, FastPathSender
@@ -323,8 +325,6 @@ def test_release_closes_and_the_next_sync_reopens():
     w = hf_weights(seed=12)
     models, engine, sender = rig(w, 1 << 20)
     sender.send(w)
-    from sgl_rollout.weight_sync import receiver
-
     assert any(k.startswith(sender.key) for k in receiver._SHARED)
     sender.release()
     assert not any(k.startswith(sender.key) for k in receiver._SHARED)
@@ -539,3 +539,31 @@ def test_serving_some_ranks_needs_share_and_matching_ranks():
     with pytest.raises(ValueError, match="one rank below tp_size"):
         FastPathSender(SGLangLikeEngine([SGLangShaped()]), manifest_of(w), 1 << 20, devices=["cpu"], tp_size=2,
                        tp_ranks=[2], share=lambda x: [x])
+
+
+def test_every_weight_write_empties_sglangs_multimodal_embedding_cache(monkeypatch):
+    """SGLang keeps vision-tower outputs per image hash across requests (``mm_utils.embedding_cache``) and
+    its flush after a weight update leaves them: the receiver empties the cache after each ``copy`` and
+    ``load``, so an image seen before a sync is encoded again with the new weights."""
+    import types
+
+    class Cache:
+        def __init__(self):
+            self.items = {"image-hash": "old features"}
+
+        def clear(self):
+            self.items.clear()
+
+    cache = Cache()
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.mm_utils", types.SimpleNamespace(embedding_cache=cache))
+    w = hf_weights(seed=20)
+    models, engine, sender = rig(w, 1 << 20)
+    sender.send(w)  # plan, then copy
+    assert sender.covered and cache.items == {}
+    cache.items["image-hash"] = "features"
+    sender.send([(n, t) for n, t in w if "layers.0." in n], partial=True)  # load
+    assert cache.items == {}
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers.mm_utils", types.SimpleNamespace(embedding_cache=None))
+    assert not receiver.forget_mm_embeddings()  # a text-only engine: nothing there, no error
+    sender.send(w)
+    assert_same_params(models, reference(1, w))

@@ -169,7 +169,8 @@ class EngineCore:
         generation = self._generation
         try:
             self._procs = EngineProcesses(
-                factory, server_args, engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check),
+                factory, server_args, engine_env_updates(disable_tp_imbalance_check=self._disable_tp_imbalance_check,
+                                                         mm_embedding_cache=self.config.fast_sync),
                 on_death=lambda reason: self._mark_dead(reason, generation), watch_interval_s=self._watch_interval_s)
         except BaseException as exc:
             if self._generation > 1:  # a failed restart: calls keep raising EngineDeadError

@@ -54,6 +54,7 @@ def engine_env_updates(
     sglang_version: Optional[str] = None,
     base: Optional[Dict[str, str]] = None,
     disable_tp_imbalance_check: bool = True,
+    mm_embedding_cache: bool = True,
 ) -> Dict[str, Optional[str]]:
     """Environment changes for the engine's processes (None: remove the variable).
 
@@ -62,6 +63,10 @@ def engine_env_updates(
         base: environment to start from (``os.environ`` by default); only read.
         disable_tp_imbalance_check: apply ``patches/tp_memory_imbalance.py`` (default). False leaves
             SGLang's own setting, which refuses to start TP on GPUs with unequal free memory.
+        mm_embedding_cache: False turns SGLang's multimodal embedding cache off
+            (``SGLANG_VLM_CACHE_SIZE_MB=0``): it keeps vision-tower outputs per image across weight syncs
+            and only this package's fast-path loader empties it (``weight_sync/receiver.py``), so an
+            engine that syncs through SGLang's own loader (``fast_sync=False``) must not keep one.
 
     Returns:
         dict of variable -> value or None: memory-saver CUDA-graph tagging, the allocator config
@@ -76,6 +81,8 @@ def engine_env_updates(
         updates["PYTORCH_CUDA_ALLOC_CONF"] = strip_expandable_segments(base["PYTORCH_CUDA_ALLOC_CONF"])
     if disable_tp_imbalance_check:
         updates.update(tp_memory_imbalance.env_updates(sglang_version))
+    if not mm_embedding_cache:
+        updates["SGLANG_VLM_CACHE_SIZE_MB"] = "0"
     return updates
 
 
@@ -249,7 +256,8 @@ class EngineProcesses:
     processes inherit them) and restored afterwards. The children it started are recorded (and their
     own children, every ``10 * watch_interval_s``: they are re-parented away from a killed scheduler);
     SGLang's ``Engine.shutdown`` is taken off atexit (it kills every child of the host); SIGQUIT is
-    handled (:func:`install_sigquit_handler`). A watchdog thread polls the children every
+    handled (:func:`install_sigquit_handler`). Where SGLang loaded its Qwen-VL processor (a Qwen-VL model),
+    that class gets ``patches/qwen_vl_processor_output.py``. A watchdog thread polls the children every
     ``watch_interval_s`` seconds and, when one has exited, calls ``on_death(reason)`` once and stops
     watching; a SIGQUIT makes it look at once.
 
@@ -280,6 +288,9 @@ class EngineProcesses:
             kill_trees(started_here())
             raise
         self.children: list = started_here()
+        from ..patches import qwen_vl_processor_output
+
+        qwen_vl_processor_output.apply()  # SGLang's tokenizer manager, in this process, loaded it for a Qwen-VL model
         self.descendants: Dict[int, object] = {}
         self.sigquit_at: Optional[float] = None
         self._on_death = on_death

@@ -26,6 +26,12 @@ Requests (the payload's first item is ``(header JSON, bucket buffer)``, the seco
   ``torch._foreach_copy_``; then synchronize, so the sender may overwrite the buffer.
 * ``load``: rebuild ``(name, tensor)`` views of the buffer from the header's metadata and run the
   model's own ``load_weights`` (the fallback for partial syncs and layouts the plan does not cover).
+
+After ``copy`` and ``load`` (the weights changed), SGLang's multimodal embedding cache of this process is
+emptied (:func:`forget_mm_embeddings`): it keeps the vision tower's output per image hash across requests
+(``sglang/srt/managers/mm_utils.py``, ``embedding_cache``), and SGLang's ``flush_cache`` after a weight
+update leaves it (``Scheduler.flush_cache``, 0.5.10.post1 and 0.5.12), so an image seen before the sync
+would be answered with the old weights' vision features.
 * ``noop``: answer only (the sender times a round trip).
 * ``digest``: SHA-256 of every parameter's bytes, by SGLang parameter name (tests, debugging).
 * ``release``: drop this process's references to the sender's buffer and status block, closing the
@@ -43,6 +49,7 @@ import bisect
 import hashlib
 import logging
 import math
+import sys
 import time
 import traceback
 from typing import Dict, List, Optional, Tuple
@@ -86,8 +93,10 @@ def load_weights(model, named_tensors) -> None:
             body = _make_plan(model, header)
         elif op == "copy":
             body = _copy(buffer, header)
+            forget_mm_embeddings()
         elif op == "load":
             body = _load(model, buffer, header)
+            forget_mm_embeddings()
         elif op in ("release", "noop"):
             body = {}
         elif op == "digest":
@@ -107,6 +116,18 @@ def load_weights(model, named_tensors) -> None:
                 _answer(status, seq, FAILED, {"error": f"{type(exc).__name__}: {exc}"[:4000]})
         except BaseException:  # noqa: BLE001
             logger.error("sgl_rollout: could not write the failure status:\n%s", traceback.format_exc())
+
+
+def forget_mm_embeddings() -> bool:
+    """Empty SGLang's multimodal embedding cache in this process, where SGLang made one (a scheduler
+    that served an image); returns whether there was one. Reads ``sys.modules`` only: nothing is
+    imported, so a text-only engine pays nothing."""
+    mm_utils = sys.modules.get("sglang.srt.managers.mm_utils")
+    cache = getattr(mm_utils, "embedding_cache", None)
+    if cache is None:
+        return False
+    cache.clear()
+    return True
 
 
 def _unpack(named_tensors) -> Tuple[dict, torch.Tensor, torch.Tensor]:
