@@ -47,6 +47,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 PLUGINS = {"builtin": "none", "ours": "sgl_rollout"}
 #: Shapes ``--random-model`` can build (Llama-shaped, random bf16 weights, the source model's tokenizer).
 RANDOM_SHAPES = ("1b",)
+#: ``--task`` choices: the demo's arithmetic (text), the shapes task (images; :mod:`.vlm`).
+TASKS = ("arith", "shapes")
 
 class SetupError(RuntimeError):
     """What keeps the comparison from running here (a GPU, verl, SGLang's kernels, the model); one line."""
@@ -329,9 +331,10 @@ def differences(fast_sync: Optional[bool] = None) -> List[str]:
 
 def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int, steps: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
-                 python: str = sys.executable, fast_sync: Optional[bool] = None) -> List[str]:
+                 python: str = sys.executable, fast_sync: Optional[bool] = None, task: str = "arith") -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
-    ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default).
+    ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default);
+    ``task="shapes"`` puts :data:`.vlm.SHAPES_OVERRIDES` over the arithmetic task's data and reward keys.
 
     Both sides install the timing probe in every Ray worker the same way: Ray's
     ``runtime_env.worker_process_setup_hook`` (:data:`.verl_probe.SETUP_HOOK`), with the probe's folder
@@ -342,6 +345,10 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
 
     overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps,
                                gpu_memory_utilization=gpu_memory_utilization, experiment_name=f"compare_{side}")
+    if task == "shapes":
+        from .vlm import SHAPES_OVERRIDES, with_overrides
+
+        overrides = with_overrides(overrides, SHAPES_OVERRIDES)
     env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
@@ -542,6 +549,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gguf", metavar="FILE", help="GGUF file of the default model")
     p.add_argument("--random-model", choices=RANDOM_SHAPES, help="time a Llama of this shape with random weights "
                    "and the model's tokenizer instead of the model itself")
+    p.add_argument("--task", choices=TASKS, default="arith",
+                   help="arith: the demo's sums (text); shapes: name a drawn shape's colour, one image a prompt, "
+                        "on a tiny Qwen2.5-VL with random weights (sgl_rollout.bench.vlm; --model is not used)")
     p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     p.add_argument("--pairs", type=int, default=1, help="pairs of runs (built-in, sgl-rollout), alternating order")
     p.add_argument("--ngpus", type=int, default=1, help="GPUs of the node (replicas = ngpus / tp)")
@@ -576,9 +586,37 @@ def recorded_pairs(out: Path) -> List[int]:
     return sorted(int(d.name[4:]) for d in Path(out).glob("pair*") if d.is_dir() and d.name[4:].isdigit())
 
 
+def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
+    """The model folder and ``out/data/{train,val}.parquet`` of ``args.task``: the demo's model (or a
+    random Llama of its tokenizer, ``--random-model``) and 2,048 sums, or a tiny Qwen2.5-VL with random
+    weights and 512 pictures (:mod:`.vlm`). Returns the model folder.
+
+    Raises:
+        SetupError: the model cannot be made here (one line).
+    """
+    from ..workloads import ModelSetupError, resolve_model, write_parquet
+
+    try:
+        if args.task == "shapes":
+            from .vlm import make_qwen2_5_vl_dir, write_shapes_parquet
+
+            model_dir = out / "model-qwen2.5-vl-tiny-random"
+            if not (model_dir / "model.safetensors").is_file():
+                make_qwen2_5_vl_dir(str(model_dir))
+            write_shapes_parquet(out / "data", n_train=512, n_val=n_val)
+            return model_dir
+        model_dir = resolve_model(args.model, args.gguf)
+        if args.random_model:
+            model_dir = random_llama_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
+    except (ModelSetupError, OSError, ValueError, KeyError, ImportError, subprocess.CalledProcessError) as exc:
+        raise SetupError(f"model: {exc}") from None
+    out.mkdir(parents=True, exist_ok=True)
+    write_parquet(out / "data", n_train=2048, n_val=n_val)
+    return model_dir
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the comparison; see the module docstring for the exit status."""
-    from ..workloads import write_parquet
     from . import verl_report
 
     out = Path(args.out or f"runs/verl-compare-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -600,23 +638,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         preflight(args.ngpus)
         check_installed_copy()  # both sides: every Ray worker imports the probe (and ours the rollout) from it
-        from ..workloads import ModelSetupError, resolve_model
-
-        try:
-            model_dir = resolve_model(args.model, args.gguf)
-            if args.random_model:
-                model_dir = random_llama_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
-        except (ModelSetupError, OSError, ValueError, KeyError, subprocess.CalledProcessError) as exc:
-            raise SetupError(f"model: {exc}") from None
+        model_dir = prepare_task(args, out, n_val)
     except SetupError as exc:
         print(f"bench verl: {exc}", file=sys.stderr)
         return 2
     run_dirs, orders = plan_pairs(out, args.pairs, sides)
-    out.mkdir(parents=True, exist_ok=True)
-    write_parquet(out / "data", n_train=2048, n_val=n_val)
     diffs = differences(args.fast_sync)
     config = {
-        "title": args.title, "model": str(model_dir), "random_weights": bool(args.random_model),
+        "title": args.title, "task": args.task, "model": str(model_dir),
+        "random_weights": bool(args.random_model) or args.task == "shapes",
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
         "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": _effective_fast_sync(args.fast_sync),
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
@@ -635,7 +665,7 @@ def main(args: argparse.Namespace) -> int:
             if not data.exists():
                 data.symlink_to(out / "data", target_is_directory=True)
             cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
-                               args.gpu_memory_utilization, args.overrides, fast_sync=args.fast_sync)
+                               args.gpu_memory_utilization, args.overrides, fast_sync=args.fast_sync, task=args.task)
             print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
                   flush=True)
             info = run_side(side, pair, cmd, side_env(side, run_dir), run_dir, args.steps, args.timeout_s)

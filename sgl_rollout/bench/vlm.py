@@ -136,3 +136,114 @@ def redraw(model, seed: int, init_std: float = 0.15) -> None:
             else:
                 new = torch.rand(p.shape, generator=g) + 0.5
             p.copy_(new.to(p.dtype))
+
+
+# ------------------------------------------------------------------------------- the shapes task
+#: verl's ``data_source`` of the shapes task (:func:`shapes_score` scores only it).
+SHAPES_SOURCE = "sgl_rollout/shapes"
+#: The colours a shape is drawn in (RGB); the answer is the colour's name.
+COLORS = {"red": (220, 30, 30), "green": (30, 190, 30), "blue": (30, 30, 220)}
+SHAPES = ("box", "disc")
+#: The user turn; verl's ``RLHFDataset`` turns ``<image>`` into the image part the chat template renders.
+SHAPES_PROMPT = "<image>What color is the shape in the picture? Answer with one word."
+
+
+def draw_shape(shape: str, color: str, top: int, left: int, h: int = 84, w: int = 112):
+    """An RGB uint8 picture ``(h, w, 3)``: a 32x40 box or a disc of radius 16 in ``color`` at
+    (``top``, ``left``) on grey.
+
+    Raises:
+        KeyError: an unknown ``shape`` or ``color``.
+    """
+    import numpy as np
+
+    img = np.full((h, w, 3), 128, np.uint8)
+    rgb = COLORS[color]
+    if shape == "box":
+        img[top:top + 32, left:left + 40] = rgb
+    elif shape == "disc":
+        yy, xx = np.mgrid[:h, :w]
+        img[(yy - top - 16) ** 2 + (xx - left - 16) ** 2 < 16 ** 2] = rgb
+    else:
+        raise KeyError(f"unknown shape {shape!r}; one of {SHAPES}")
+    return img
+
+
+def shapes_row(index: int, split: str, rng) -> dict:
+    """One row of verl's RL dataset format with an image, as verl's geometry3k files have it
+    (``examples/data_preprocess/geo3k.py``: ``images`` a list of ``{"bytes": PNG}``, read by
+    ``verl/utils/dataset/rl_dataset.py`` with ``data.image_key=images``); ``rng`` a
+    ``numpy.random.Generator`` picks shape, colour and place."""
+    import io
+
+    from PIL import Image
+
+    shape, color = SHAPES[int(rng.integers(len(SHAPES)))], list(COLORS)[int(rng.integers(len(COLORS)))]
+    picture = draw_shape(shape, color, top=int(rng.integers(0, 84 - 32)), left=int(rng.integers(0, 112 - 40)))
+    buf = io.BytesIO()
+    Image.fromarray(picture).save(buf, format="PNG")
+    return {"data_source": SHAPES_SOURCE, "prompt": [{"role": "user", "content": SHAPES_PROMPT}],
+            "images": [{"bytes": buf.getvalue()}], "ability": "vision",
+            "reward_model": {"style": "rule", "ground_truth": color},
+            "extra_info": {"split": split, "index": index, "shape": shape, "color": color}}
+
+
+def write_shapes_parquet(data_dir: os.PathLike, n_train: int = 512, n_val: int = 64, seed: int = 0):
+    """Write the shapes task's ``train.parquet`` and ``val.parquet`` into ``data_dir`` (created); the
+    same seed gives the same files. Returns (train path, val path).
+
+    Raises:
+        ValueError: a row count < 1.
+    """
+    from pathlib import Path
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if n_train < 1 or n_val < 1:
+        raise ValueError(f"need at least one row per file, got n_train={n_train}, n_val={n_val}")
+    out = Path(data_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, n, offset in (("train", n_train, 0), ("val", n_val, 1)):
+        rng = np.random.default_rng([seed, offset])
+        path = out / f"{split}.parquet"
+        pq.write_table(pa.Table.from_pylist([shapes_row(i, split, rng) for i in range(n)]), path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def shapes_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict:
+    """verl's custom reward function of the shapes task (``reward.custom_reward_function``): 1 when the
+    first colour name in the answer is the shape's colour, else 0.
+
+    Returns:
+        ``{"score": float, "acc": float}`` (both 0.0 or 1.0).
+
+    Raises:
+        ValueError: a row of another task (``data_source`` not :data:`SHAPES_SOURCE`).
+    """
+    import re
+
+    if data_source != SHAPES_SOURCE:
+        raise ValueError(f"shapes_score scores {SHAPES_SOURCE!r} rows, got {data_source!r}")
+    found = re.search("|".join(COLORS), solution_str.lower())
+    acc = float(found is not None and found.group(0) == str(ground_truth).strip().lower())
+    return {"score": acc, "acc": acc}
+
+
+#: The overrides the shapes task puts over the arithmetic task's (:func:`sgl_rollout.workloads.grpo_overrides`).
+SHAPES_OVERRIDES = ("data.image_key=images",
+                    "reward.custom_reward_function.path=pkg://sgl_rollout.bench.vlm",
+                    "reward.custom_reward_function.name=shapes_score")
+
+
+def with_overrides(base, extra):
+    """``base`` hydra overrides with those of ``extra`` put in: an entry of ``extra`` replaces the one of
+    ``base`` with the same key (hydra refuses a key given twice), the others are appended."""
+    def key(o: str) -> str:
+        return o.split("=", 1)[0].lstrip("+~")
+
+    keys = {key(o) for o in extra}
+    return [o for o in base if key(o) not in keys] + list(extra)
