@@ -822,3 +822,48 @@ def test_random_model_is_written_by_a_child_process(tmp_path, monkeypatch):
     assert (out / "model.safetensors").read_bytes() != b"not copied"
     assert not torch.cuda.is_initialized()
     assert verl_compare.random_llama_like(src, tmp_path / "random") == out and len(children) == 1  # written once
+
+
+# ------------------------------------------------------------------------------------ --nnodes
+def test_more_nodes_need_a_cluster_or_the_simulation():
+    verl_compare.check_nodes(1, False, environ={})
+    verl_compare.check_nodes(2, False, environ={"RAY_ADDRESS": "10.0.0.1:6379"})
+    verl_compare.check_nodes(2, True, environ={})
+    with pytest.raises(verl_compare.SetupError, match="RAY_ADDRESS"):
+        verl_compare.check_nodes(2, False, environ={})
+    with pytest.raises(verl_compare.SetupError, match=">= 1"):
+        verl_compare.check_nodes(0, True, environ={})
+
+
+def test_two_node_side_command_composes_into_verls_config(tmp_path):
+    from test_verl_task import trainer_config
+
+    cmd = verl_compare.side_command("ours", tmp_path / "m", tmp_path / "run", 1, 2, 4, 0.5, python="python",
+                                    nnodes=2, worker_env={"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"})
+    cfg = trainer_config(cmd[3:])
+    assert cfg.trainer.nnodes == 2 and cfg.trainer.n_gpus_per_node == 1
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2  # one replica over both nodes
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES == "1"
+
+
+def test_simulated_nodes_are_raylets_with_their_own_devices():
+    ray = pytest.importorskip("ray")
+    with verl_compare.simulated_nodes(1, 2) as (env, worker_env):
+        assert env == {} and worker_env == {}
+    with verl_compare.simulated_nodes(2, 1) as (env, worker_env):
+        ray.init(address=env["RAY_ADDRESS"], runtime_env={"env_vars": worker_env}, include_dashboard=False)
+        try:
+            alive = [n for n in ray.nodes() if n["Alive"]]
+            assert len(alive) == 2 and all(n["Resources"].get("GPU") == 1 for n in alive)
+
+            @ray.remote(num_gpus=1)
+            def visible():
+                import os
+                import time
+                time.sleep(2)  # both hold their GPU at once: one on each raylet
+                return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+            # two tasks, one GPU each: one per raylet, each keeping its raylet's device
+            assert sorted(ray.get([visible.remote(), visible.remote()])) == ["0", "1"]
+        finally:
+            ray.shutdown()

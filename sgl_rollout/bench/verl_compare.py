@@ -27,6 +27,7 @@ processes would import is not the running one (:func:`check_installed_copy`), or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -331,10 +332,13 @@ def differences(fast_sync: Optional[bool] = None) -> List[str]:
 
 def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int, steps: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
-                 python: str = sys.executable, fast_sync: Optional[bool] = None, task: str = "arith") -> List[str]:
+                 python: str = sys.executable, fast_sync: Optional[bool] = None, task: str = "arith",
+                 nnodes: int = 1, worker_env: Optional[Dict[str, str]] = None) -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
     ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default);
-    ``task="shapes"`` puts :data:`.vlm.SHAPES_OVERRIDES` over the arithmetic task's data and reward keys.
+    ``task="shapes"`` puts :data:`.vlm.SHAPES_OVERRIDES` over the arithmetic task's data and reward keys;
+    ``nnodes`` nodes of ``ngpus`` GPUs (:func:`sgl_rollout.workloads.grpo_overrides`); ``worker_env``
+    more variables for verl's Ray workers (a simulated cluster's, :func:`simulated_nodes`).
 
     Both sides install the timing probe in every Ray worker the same way: Ray's
     ``runtime_env.worker_process_setup_hook`` (:data:`.verl_probe.SETUP_HOOK`), with the probe's folder
@@ -343,13 +347,13 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     from ..workloads import grpo_overrides
     from .verl_probe import ENV_DIR, SETUP_HOOK
 
-    overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps,
+    overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps, nnodes=nnodes,
                                gpu_memory_utilization=gpu_memory_utilization, experiment_name=f"compare_{side}")
     if task == "shapes":
         from .vlm import SHAPES_OVERRIDES, with_overrides
 
         overrides = with_overrides(overrides, SHAPES_OVERRIDES)
-    env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side]}
+    env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side], **(worker_env or {})}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}")
@@ -555,7 +559,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     p.add_argument("--pairs", type=int, default=1, help="pairs of runs (built-in, sgl-rollout), alternating order")
     p.add_argument("--ngpus", type=int, default=1, help="GPUs of the node (replicas = ngpus / tp)")
-    p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size")
+    p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size (larger than --ngpus: a "
+                   "replica spans nodes)")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of --ngpus GPUs each; more than 1 joins the Ray "
+                   "cluster RAY_ADDRESS names, or --simulate-nodes")
+    p.add_argument("--simulate-nodes", action="store_true", help="with --nnodes N: make N Ray nodes of --ngpus "
+                   "GPUs each on this host (one raylet per node, its own CUDA_VISIBLE_DEVICES)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--sides", default="builtin,ours", help="which sides to run (default both)")
     p.add_argument("--fast-sync", action=argparse.BooleanOptionalAction, default=None,
@@ -584,6 +593,49 @@ def recorded_pairs(out: Path) -> List[int]:
     """The pair numbers whose folder (``pairN``) exists under the run folder ``out``, so that
     ``--report-only`` reports every recorded pair whatever ``--pairs`` says."""
     return sorted(int(d.name[4:]) for d in Path(out).glob("pair*") if d.is_dir() and d.name[4:].isdigit())
+
+
+def check_nodes(nnodes: int, simulate: bool, environ: Optional[Dict[str, str]] = None) -> None:
+    """Refuse ``--nnodes`` the run cannot have, before anything starts.
+
+    Raises:
+        SetupError: ``nnodes`` < 1, or more than one node with neither ``RAY_ADDRESS`` (verl's
+            ``ray.init`` joins that cluster) nor ``--simulate-nodes``.
+    """
+    environ = os.environ if environ is None else environ
+    if nnodes < 1:
+        raise SetupError(f"--nnodes must be >= 1, got {nnodes}")
+    if nnodes > 1 and not simulate and not environ.get("RAY_ADDRESS"):
+        raise SetupError(f"--nnodes {nnodes} needs a Ray cluster of {nnodes} nodes: set RAY_ADDRESS to it, or pass "
+                         "--simulate-nodes to make them on this host")
+
+
+@contextlib.contextmanager
+def simulated_nodes(nnodes: int, ngpus: int):
+    """Yield ``(env, worker_env)``: with ``nnodes`` > 1, a Ray cluster of ``nnodes`` raylets on this host
+    (``ray.cluster_utils.Cluster``), raylet ``i`` holding GPUs ``i * ngpus ...`` in its
+    ``CUDA_VISIBLE_DEVICES``, kept up until the block ends; ``env`` names it for verl's driver
+    (``RAY_ADDRESS``), and ``worker_env`` keeps Ray from renumbering each node's GPUs from 0 in the
+    workers (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: they keep their raylet's devices, as
+    ``tests/gpu/test_multinode_gpu.py`` runs them). With one node, two empty dicts and no cluster."""
+    if nnodes <= 1:
+        yield {}, {}
+        return
+    from ray.cluster_utils import Cluster
+
+    def devices(i: int) -> str:
+        return ",".join(str(i * ngpus + g) for g in range(ngpus))
+
+    cpus = max(2, (os.cpu_count() or 2) // nnodes)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": cpus, "num_gpus": ngpus, "env_vars": {"CUDA_VISIBLE_DEVICES": devices(0)}})
+    try:
+        for i in range(1, nnodes):
+            cluster.add_node(num_cpus=cpus, num_gpus=ngpus, env_vars={"CUDA_VISIBLE_DEVICES": devices(i)})
+        cluster.wait_for_nodes()
+        yield {"RAY_ADDRESS": cluster.address}, {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    finally:
+        cluster.shutdown()
 
 
 def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
@@ -615,6 +667,34 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
     return model_dir
 
 
+def _run_pairs(args, out: Path, run_dirs, orders, config: dict, model_dir: Path, n_val: int,
+               env: Dict[str, str], worker_env: Dict[str, str]) -> bool:
+    """Run every side of every pair in turn, re-writing the report after each; True if one failed."""
+    from . import verl_report
+
+    failed = False
+    for pair, dirs in run_dirs.items():
+        for side, run_dir in dirs.items():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            data = run_dir / "data"
+            if not data.exists():
+                data.symlink_to(out / "data", target_is_directory=True)
+            cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
+                               args.gpu_memory_utilization, args.overrides, fast_sync=args.fast_sync, task=args.task,
+                               nnodes=args.nnodes, worker_env=worker_env)
+            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
+                  flush=True)
+            info = run_side(side, pair, cmd, {**side_env(side, run_dir), **env}, run_dir, args.steps, args.timeout_s)
+            summary = verl_report.summarize_run(run_dir)
+            failed |= summary["status"] != "ok"
+            upd = summary["metrics"].get(verl_report.UPDATE_KEY, {}).get("median")
+            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: exit {info['exit_code']} after "
+                  f"{info['wall_s']} s, {summary['steps']} steps, update_weights median "
+                  f"{'n/a' if upd is None else f'{upd:.3f} s'}", flush=True)
+            verl_report.write_report(out, run_dirs, config, n_val, orders)  # after every run: a cut-off run keeps its report
+    return failed
+
+
 def main(args: argparse.Namespace) -> int:
     """Run the comparison; see the module docstring for the exit status."""
     from . import verl_report
@@ -636,7 +716,8 @@ def main(args: argparse.Namespace) -> int:
         print(verl_report.markdown(comp))
         return 0
     try:
-        preflight(args.ngpus)
+        check_nodes(args.nnodes, args.simulate_nodes)
+        preflight(args.ngpus * (args.nnodes if args.simulate_nodes else 1))
         check_installed_copy()  # both sides: every Ray worker imports the probe (and ours the rollout) from it
         model_dir = prepare_task(args, out, n_val)
     except SetupError as exc:
@@ -647,7 +728,8 @@ def main(args: argparse.Namespace) -> int:
     config = {
         "title": args.title, "task": args.task, "model": str(model_dir),
         "random_weights": bool(args.random_model) or args.task == "shapes",
-        "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp,
+        "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp, "nnodes": args.nnodes,
+        "simulated_nodes": bool(args.simulate_nodes and args.nnodes > 1),
         "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": _effective_fast_sync(args.fast_sync),
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
@@ -657,25 +739,8 @@ def main(args: argparse.Namespace) -> int:
     print(f"bench verl: {args.pairs} pair(s) x {sides} of {args.steps} steps, model {model_dir}, run folder {out}")
     for d in diffs:
         print(f"bench verl: differs: {d}")
-    failed = False
-    for pair, dirs in run_dirs.items():
-        for side, run_dir in dirs.items():
-            run_dir.mkdir(parents=True, exist_ok=True)
-            data = run_dir / "data"
-            if not data.exists():
-                data.symlink_to(out / "data", target_is_directory=True)
-            cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
-                               args.gpu_memory_utilization, args.overrides, fast_sync=args.fast_sync, task=args.task)
-            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
-                  flush=True)
-            info = run_side(side, pair, cmd, side_env(side, run_dir), run_dir, args.steps, args.timeout_s)
-            summary = verl_report.summarize_run(run_dir)
-            failed |= summary["status"] != "ok"
-            upd = summary["metrics"].get(verl_report.UPDATE_KEY, {}).get("median")
-            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: exit {info['exit_code']} after "
-                  f"{info['wall_s']} s, {summary['steps']} steps, update_weights median "
-                  f"{'n/a' if upd is None else f'{upd:.3f} s'}", flush=True)
-            verl_report.write_report(out, run_dirs, config, n_val, orders)  # after every run: a cut-off run keeps its report
+    with simulated_nodes(args.nnodes if args.simulate_nodes else 1, args.ngpus) as (env, worker_env):
+        failed = _run_pairs(args, out, run_dirs, orders, config, model_dir, n_val, env, worker_env)
     comp = verl_report.write_report(out, run_dirs, config, n_val, orders)
     print(verl_report.markdown(comp))
     print(f"bench verl: wrote {out / 'comparison.json'}, {out / 'comparison.md'}"
