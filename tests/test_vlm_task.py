@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sgl_rollout.bench import verl_compare
-from sgl_rollout.bench import vlm
+from sgl_rollout.bench import verl_trainers, vlm
 
 from test_verl_task import trainer_config  # noqa: E402
 
@@ -54,7 +54,7 @@ def test_shapes_score(text, gt, acc):
 
 def test_with_overrides_replaces_same_keys_and_appends_new_ones():
     base = ["a.b=1", "+c.d=2", "e=3"]
-    assert vlm.with_overrides(base, ["c.d=5", "f=6"]) == ["a.b=1", "e=3", "c.d=5", "f=6"]
+    assert verl_trainers.with_overrides(base, ["c.d=5", "f=6"]) == ["a.b=1", "e=3", "c.d=5", "f=6"]
 
 
 def test_side_commands_compose_with_the_shapes_keys(tmp_path):

@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .verl_trainers import SYNC_KEYS, TRAINERS
+
 #: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: ``none`` loads no plugin, a comma list only
 #: those named): the only thing that decides which rollout answers ``rollout.name=sglang``.
 PLUGINS = {"builtin": "none", "ours": "sgl_rollout"}
@@ -333,12 +335,18 @@ def differences(fast_sync: Optional[bool] = None) -> List[str]:
 def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int, steps: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
                  python: str = sys.executable, fast_sync: Optional[bool] = None, task: str = "arith",
-                 nnodes: int = 1, worker_env: Optional[Dict[str, str]] = None) -> List[str]:
+                 nnodes: int = 1, worker_env: Optional[Dict[str, str]] = None, trainer: str = "sync",
+                 rollout_gpus: int = 0) -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
     ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default);
     ``task="shapes"`` puts :data:`.vlm.SHAPES_OVERRIDES` over the arithmetic task's data and reward keys;
     ``nnodes`` nodes of ``ngpus`` GPUs (:func:`sgl_rollout.workloads.grpo_overrides`); ``worker_env``
-    more variables for verl's Ray workers (a simulated cluster's, :func:`simulated_nodes`).
+    more variables for verl's Ray workers (a simulated cluster's, :func:`simulated_nodes`); ``trainer``
+    one of :data:`.verl_trainers.TRAINERS`, the asynchronous ones with ``rollout_gpus`` of the ``ngpus``
+    for the rollout (:func:`.verl_trainers.trainer_overrides`).
+
+    Raises:
+        ValueError: an unknown ``trainer`` or a GPU split it cannot run with.
 
     Both sides install the timing probe in every Ray worker the same way: Ray's
     ``runtime_env.worker_process_setup_hook`` (:data:`.verl_probe.SETUP_HOOK`), with the probe's folder
@@ -347,19 +355,25 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     from ..workloads import grpo_overrides
     from .verl_probe import ENV_DIR, SETUP_HOOK
 
-    overrides = grpo_overrides(model_dir, run_dir, ngpus=ngpus, tp=tp, steps=steps, nnodes=nnodes,
+    from .verl_trainers import MODULES, override_value, split_gpus, trainer_overrides, with_overrides
+
+    train_gpus, roll_gpus = split_gpus(trainer, ngpus, rollout_gpus)
+    overrides = grpo_overrides(model_dir, run_dir, ngpus=train_gpus, tp=tp, steps=steps, nnodes=nnodes,
                                gpu_memory_utilization=gpu_memory_utilization, experiment_name=f"compare_{side}")
     if task == "shapes":
-        from .vlm import SHAPES_OVERRIDES, with_overrides
+        from .vlm import SHAPES_OVERRIDES
 
         overrides = with_overrides(overrides, SHAPES_OVERRIDES)
+    overrides = with_overrides(overrides, trainer_overrides(
+        trainer, roll_gpus, steps, int(override_value(overrides, "actor_rollout_ref.actor.ppo_mini_batch_size")),
+        int(override_value(overrides, "actor_rollout_ref.rollout.n"))))
     env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side], **(worker_env or {})}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}")
     if side == "ours" and fast_sync_override(fast_sync) is not None:
         overrides.append(fast_sync_override(fast_sync))
-    return [python, "-m", "verl.trainer.main_ppo", *overrides, *extra]
+    return [python, "-m", MODULES[trainer], *overrides, *extra]
 
 
 def side_env(side: str, run_dir: Path, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -561,6 +575,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngpus", type=int, default=1, help="GPUs of the node (replicas = ngpus / tp)")
     p.add_argument("--tp", type=int, default=1, help="rollout tensor-parallel size (larger than --ngpus: a "
                    "replica spans nodes)")
+    p.add_argument("--trainer", choices=TRAINERS, default="sync", help="verl's trainer: sync (colocated GRPO, "
+                   "default), one_step_off or fully_async (partial rollout), the latter two with the rollout on "
+                   "--rollout-gpus of the --ngpus (sgl_rollout.bench.verl_trainers)")
+    p.add_argument("--rollout-gpus", type=int, default=0, help="GPUs of the rollout's own pool for the "
+                   "asynchronous trainers (the rest train)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of --ngpus GPUs each; more than 1 joins the Ray "
                    "cluster RAY_ADDRESS names, or --simulate-nodes")
     p.add_argument("--simulate-nodes", action="store_true", help="with --nnodes N: make N Ray nodes of --ngpus "
@@ -593,6 +612,23 @@ def recorded_pairs(out: Path) -> List[int]:
     """The pair numbers whose folder (``pairN``) exists under the run folder ``out``, so that
     ``--report-only`` reports every recorded pair whatever ``--pairs`` says."""
     return sorted(int(d.name[4:]) for d in Path(out).glob("pair*") if d.is_dir() and d.name[4:].isdigit())
+
+
+def check_trainer(trainer: str, ngpus: int, rollout_gpus: int, nnodes: int) -> None:
+    """Refuse a ``--trainer`` layout before anything starts.
+
+    Raises:
+        SetupError: a GPU split :func:`.verl_trainers.split_gpus` refuses, or an asynchronous trainer over
+            several nodes (its rollout pool is one node here).
+    """
+    from .verl_trainers import split_gpus
+
+    try:
+        split_gpus(trainer, ngpus, rollout_gpus)
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    if trainer != "sync" and nnodes > 1:
+        raise SetupError(f"--trainer {trainer} runs on one node here; --nnodes {nnodes} is for --trainer sync")
 
 
 def check_nodes(nnodes: int, simulate: bool, environ: Optional[Dict[str, str]] = None) -> None:
@@ -681,15 +717,17 @@ def _run_pairs(args, out: Path, run_dirs, orders, config: dict, model_dir: Path,
                 data.symlink_to(out / "data", target_is_directory=True)
             cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
                                args.gpu_memory_utilization, args.overrides, fast_sync=args.fast_sync, task=args.task,
-                               nnodes=args.nnodes, worker_env=worker_env)
+                               nnodes=args.nnodes, worker_env=worker_env, trainer=args.trainer,
+                               rollout_gpus=args.rollout_gpus)
             print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
                   flush=True)
             info = run_side(side, pair, cmd, {**side_env(side, run_dir), **env}, run_dir, args.steps, args.timeout_s)
             summary = verl_report.summarize_run(run_dir)
             failed |= summary["status"] != "ok"
-            upd = summary["metrics"].get(verl_report.UPDATE_KEY, {}).get("median")
+            sync_key = SYNC_KEYS[args.trainer]
+            upd = summary["metrics"].get(sync_key, {}).get("median")
             print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: exit {info['exit_code']} after "
-                  f"{info['wall_s']} s, {summary['steps']} steps, update_weights median "
+                  f"{info['wall_s']} s, {summary['steps']} steps, {sync_key} median "
                   f"{'n/a' if upd is None else f'{upd:.3f} s'}", flush=True)
             verl_report.write_report(out, run_dirs, config, n_val, orders)  # after every run: a cut-off run keeps its report
     return failed
@@ -717,6 +755,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     try:
         check_nodes(args.nnodes, args.simulate_nodes)
+        check_trainer(args.trainer, args.ngpus, args.rollout_gpus, args.nnodes)
         preflight(args.ngpus * (args.nnodes if args.simulate_nodes else 1))
         check_installed_copy()  # both sides: every Ray worker imports the probe (and ours the rollout) from it
         model_dir = prepare_task(args, out, n_val)
@@ -729,7 +768,8 @@ def main(args: argparse.Namespace) -> int:
         "title": args.title, "task": args.task, "model": str(model_dir),
         "random_weights": bool(args.random_model) or args.task == "shapes",
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp, "nnodes": args.nnodes,
-        "simulated_nodes": bool(args.simulate_nodes and args.nnodes > 1),
+        "simulated_nodes": bool(args.simulate_nodes and args.nnodes > 1), "trainer": args.trainer,
+        "rollout_gpus": args.rollout_gpus if args.trainer != "sync" else None,
         "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": _effective_fast_sync(args.fast_sync),
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),

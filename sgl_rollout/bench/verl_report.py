@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..workloads import SCORE_KEY, load_metrics, metric_value, val_accuracy
+from .verl_trainers import ASYNC_KEYS
 
 #: The two sides of a pair, in the order of the table's columns.
 SIDES = ("builtin", "ours")
@@ -34,7 +35,8 @@ SIDE_LABELS = {"builtin": "verl built-in", "ours": "sgl-rollout"}
 
 #: verl's per-step timers (``verl/trainer/ppo/ray_trainer.py``: ``marked_timer``) reported, in step order.
 TIMING_KEYS = ("timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
-               "timing_s/update_actor", "timing_s/update_weights", "timing_s/step")
+               "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
+               *ASYNC_KEYS, "perf/throughput")  # the asynchronous trainers' keys, verl's tokens per second
 #: verl's trainer memory metrics (``verl/utils/profiler``: the actor's torch peak, GB).
 MEMORY_KEYS = ("actor/perf/max_memory_allocated_gb", "actor/perf/max_memory_reserved_gb")
 UPDATE_KEY = "timing_s/update_weights"

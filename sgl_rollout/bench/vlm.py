@@ -238,12 +238,3 @@ SHAPES_OVERRIDES = ("data.image_key=images",
                     "reward.custom_reward_function.path=pkg://sgl_rollout.bench.vlm",
                     "reward.custom_reward_function.name=shapes_score")
 
-
-def with_overrides(base, extra):
-    """``base`` hydra overrides with those of ``extra`` put in: an entry of ``extra`` replaces the one of
-    ``base`` with the same key (hydra refuses a key given twice), the others are appended."""
-    def key(o: str) -> str:
-        return o.split("=", 1)[0].lstrip("+~")
-
-    keys = {key(o) for o in extra}
-    return [o for o in base if key(o) not in keys] + list(extra)
