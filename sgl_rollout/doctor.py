@@ -112,6 +112,21 @@ def _verl() -> str:
     return f"{impl} ({'this package' if ours else 'NOT this package'}; VERL_USE_EXTERNAL_PLUGINS={os.environ.get('VERL_USE_EXTERNAL_PLUGINS', '<unset>')})"
 
 
+def _sglang_plugin() -> str:
+    """Whether SGLang's schedulers will load this package's plugin (``patches/qwen2_5_vl_vision_rope.py``,
+    needed for Qwen2.5-VL images with transformers >= 5.9): registered only by a pip install of this
+    package (an entry point; a bare ``PYTHONPATH`` has none), loaded by SGLang from 0.5.12 on, and only
+    when ``SGLANG_PLUGINS``, if set, names it."""
+    name = "sgl_rollout_qwen2_5_vl_vision_rope"
+    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
+    if not any(ep.name == name for ep in eps):
+        return "not registered (install this package with pip; needed for Qwen2.5-VL images on SGLang 0.5.12)"
+    allowed = os.environ.get("SGLANG_PLUGINS")
+    if allowed and name not in {x.strip() for x in allowed.split(",")}:
+        return f"registered, but SGLANG_PLUGINS={allowed!r} leaves it out"
+    return "registered (Qwen2.5-VL vision rope fix; SGLang >= 0.5.12 loads it in its schedulers)"
+
+
 def _info(fn: Callable[[], str]) -> Callable[[], Result]:
     """A check whose result is for information only (nothing it reports stops this package)."""
     return lambda: (fn(), None)
@@ -126,6 +141,7 @@ CHECKS: List[Tuple[str, Callable[[], Result], Optional[str]]] = [
     ("verl", _info(lambda: _version("verl")), None),
     ("memory-saver hook", lambda: _memory_saver_hook(), "torch-memory-saver's preload hook"),
     ("TP imbalance check", _info(lambda: _imbalance_vars()), None),
+    ("SGLang plugin", _info(lambda: _sglang_plugin()), None),
     ("GPUs", lambda: _gpus(), "a CUDA GPU"),
     ('verl resolves "sglang" to', _info(lambda: _verl()), None),
 ]

@@ -10,8 +10,8 @@ import torch
 
 from sgl_rollout import doctor
 
-LABELS = ("sglang", "torch", "torch-memory-saver", "verl", "memory-saver hook", "TP imbalance check", "GPUs",
-          'verl resolves "sglang" to')
+LABELS = ("sglang", "torch", "torch-memory-saver", "verl", "memory-saver hook", "TP imbalance check",
+          "SGLang plugin", "GPUs", 'verl resolves "sglang" to')
 
 
 def _missing_lines(stdout):
@@ -96,3 +96,18 @@ def test_doctor_main_reports_a_check_that_raises(monkeypatch, capsys, fast_probe
     assert "GPUs                        error: RuntimeError('no driver')" in out.splitlines()
     assert status != 0
     assert [m for m in _missing_lines(out) if "CUDA GPU" in m], out
+
+
+def test_sglang_plugin_line_says_whether_schedulers_will_load_it(monkeypatch):
+    """CI installs the package (pip, editable): the entry point is there; SGLANG_PLUGINS can leave it out;
+    without the entry point the line says how to get it."""
+    import importlib.metadata
+
+    monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
+    assert doctor._sglang_plugin().startswith("registered (")
+    monkeypatch.setenv("SGLANG_PLUGINS", "other_plugin")
+    assert "leaves it out" in doctor._sglang_plugin()
+    monkeypatch.setenv("SGLANG_PLUGINS", "other_plugin, sgl_rollout_qwen2_5_vl_vision_rope")
+    assert doctor._sglang_plugin().startswith("registered (")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
+    assert doctor._sglang_plugin().startswith("not registered (install this package with pip")
