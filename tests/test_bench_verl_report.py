@@ -563,3 +563,26 @@ def test_an_archive_member_outside_the_run_folder_is_refused(tmp_path):
     with pytest.raises(ValueError, match="not inside the run folder"):
         verl_report.unpack_raw(tmp_path / verl_report.RAW_ARCHIVE, tmp_path / "unpacked")
     assert not (tmp_path / "escaped.json").exists()
+
+
+def test_greedy_validation_before_training_is_compared_sample_by_sample(tmp_path):
+    """verl's ``val_generations/0.jsonl`` of both sides (greedy, the checkpoint's weights): the report says
+    how many outputs are the same text and where the first difference is; none without both files."""
+    def write(run: Path, outputs):
+        (run / "val_generations").mkdir(parents=True, exist_ok=True)
+        rows = [{"input": f"prompt {i}", "output": out, "gts": "1", "score": 0.0, "step": 0} for i, out in enumerate(outputs)]
+        (run / "val_generations" / "0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def edit(out: Path):
+        write(out / "pair1" / "builtin", ["a", "b", "c", "d"])
+        write(out / "pair1" / "ours", ["a", "b", "x", "d"])
+
+    comp, md, out = report_only(tmp_path, "complete", edit)
+    g = comp["pairs"][0]["greedy_val"]
+    assert (g["compared"], g["equal"]) == (4, 3)
+    assert g["first_difference"] == {"index": 2, "input": "prompt 2", "builtin": "c", "ours": "x"}
+    assert "3 of 4 outputs the same text" in md and "first difference at sample 2" in md
+    write(out / "pair1" / "ours", ["a", "b", "c", "d"])
+    same = verl_report.greedy_agreement(out / "pair1" / "builtin", out / "pair1" / "ours")
+    assert same == {"compared": 4, "equal": 4, "first_difference": None}
+    assert verl_report.greedy_agreement(out / "pair1" / "builtin", tmp_path / "nowhere") is None

@@ -584,6 +584,37 @@ def targets(builtin: dict, ours: dict, n_val: int) -> List[dict]:
     return rows
 
 
+#: verl's greedy validation before training (``trainer.validation_data_dir``, ``_write_generations`` in
+#: ``verl/trainer/ppo/ray_trainer.py``: one JSON line per sample, file named after ``global_steps``, 0).
+VAL_BEFORE_TRAINING = Path("val_generations") / "0.jsonl"
+
+
+def greedy_agreement(builtin_dir: Path, ours_dir: Path) -> Optional[dict]:
+    """How many of verl's greedy validation outputs before training (both sides on the checkpoint's
+    weights) are the same text on both sides, sample by sample in file order (both read the validation
+    file unshuffled); None unless both runs wrote :data:`VAL_BEFORE_TRAINING`.
+
+    Returns:
+        ``{"compared": n, "equal": k, "first_difference": None or {"index", "input", "builtin", "ours"}}``
+        (texts cut to 300 characters).
+    """
+    def outputs(d: Path) -> Optional[List[dict]]:
+        path = Path(d) / VAL_BEFORE_TRAINING
+        if not path.is_file():
+            return None
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    b, o = outputs(builtin_dir), outputs(ours_dir)
+    if b is None or o is None:
+        return None
+    pairs = list(zip(b, o))
+    diff = next((i for i, (x, y) in enumerate(pairs) if x.get("output") != y.get("output")), None)
+    first = None if diff is None else {"index": diff, "input": str(b[diff].get("input"))[-300:],
+                                       "builtin": str(b[diff].get("output"))[:300], "ours": str(o[diff].get("output"))[:300]}
+    return {"compared": len(pairs), "equal": sum(x.get("output") == y.get("output") for x, y in pairs),
+            "first_difference": first}
+
+
 def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None, n_val: int = 128) -> dict:
     """``comparison.json``'s content for the run folders of each pair (``{pair: {side: folder}}``); runs
     are planned for ``config["steps"]`` steps where the config has them (:func:`summarize_run`)."""
@@ -594,6 +625,7 @@ def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
         entry = {"pair": pair, "runs": runs}
         if all(s in runs for s in SIDES):
             entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
+            entry["greedy_val"] = greedy_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
         pairs.append(entry)
     comp = {"config": config or {}, "pairs": pairs}
     summary = across_pairs(comp)
@@ -757,6 +789,13 @@ def markdown(comparison: dict) -> str:
         va = [f"{_f(_first(runs[s]['val_acc']))} -> {_f(_last(runs[s]['val_acc']))}" for s in cols]
         lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
         lines.append("")
+        g = entry.get("greedy_val")
+        if g:
+            lines.append(f"Greedy validation before training, same weights on both sides: {g['equal']} of "
+                         f"{g['compared']} outputs the same text (`{VAL_BEFORE_TRAINING}`)"
+                         + ("" if g["first_difference"] is None else f"; first difference at sample {g['first_difference']['index']}")
+                         + ".")
+            lines.append("")
         lines += _peak_process_table(runs, cols)
         lines += _awake_lines(runs, cols)
         lines += _memory_table(runs, cols)
