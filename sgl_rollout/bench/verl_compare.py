@@ -50,8 +50,9 @@ from .verl_trainers import SYNC_KEYS, TRAINERS
 PLUGINS = {"builtin": "none", "ours": "sgl_rollout"}
 #: Shapes ``--random-model`` can build (Llama-shaped, random bf16 weights, the source model's tokenizer).
 RANDOM_SHAPES = ("1b",)
-#: ``--task`` choices: the demo's arithmetic (text), the shapes task (images; :mod:`.vlm`).
-TASKS = ("arith", "shapes")
+#: ``--task`` choices: the demo's arithmetic (text), the shapes task (images; :mod:`.vlm`), the sums in
+#: multi-turn episodes with tool responses (:mod:`.agent_task`).
+TASKS = ("arith", "shapes", "tools")
 
 class SetupError(RuntimeError):
     """What keeps the comparison from running here (a GPU, verl, SGLang's kernels, the model); one line."""
@@ -364,6 +365,10 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
         from .vlm import SHAPES_OVERRIDES
 
         overrides = with_overrides(overrides, SHAPES_OVERRIDES)
+    elif task == "tools":
+        from .agent_task import tools_overrides
+
+        overrides = with_overrides(overrides, tools_overrides(Path(run_dir) / "data" / "agent_loops.yaml"))
     overrides = with_overrides(overrides, trainer_overrides(
         trainer, roll_gpus, steps, int(override_value(overrides, "actor_rollout_ref.actor.ppo_mini_batch_size")),
         int(override_value(overrides, "actor_rollout_ref.rollout.n"))))
@@ -569,7 +574,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and the model's tokenizer instead of the model itself")
     p.add_argument("--task", choices=TASKS, default="arith",
                    help="arith: the demo's sums (text); shapes: name a drawn shape's colour, one image a prompt, "
-                        "on a tiny Qwen2.5-VL with random weights (sgl_rollout.bench.vlm; --model is not used)")
+                        "on a tiny Qwen2.5-VL with random weights (sgl_rollout.bench.vlm; --model is not used); "
+                        "tools: the sums in 3-turn episodes with tool responses between the turns "
+                        "(sgl_rollout.bench.agent_task)")
     p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     p.add_argument("--pairs", type=int, default=1, help="pairs of runs (built-in, sgl-rollout), alternating order")
     p.add_argument("--ngpus", type=int, default=1, help="GPUs of the node (replicas = ngpus / tp)")
@@ -699,7 +706,12 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
     except (ModelSetupError, OSError, ValueError, KeyError, ImportError, subprocess.CalledProcessError) as exc:
         raise SetupError(f"model: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
-    write_parquet(out / "data", n_train=2048, n_val=n_val)
+    if args.task == "tools":
+        from .agent_task import write_tools_task
+
+        write_tools_task(out / "data", n_train=2048, n_val=n_val)
+    else:
+        write_parquet(out / "data", n_train=2048, n_val=n_val)
     return model_dir
 
 

@@ -1,0 +1,110 @@
+"""The tools task of ``bench verl --task tools`` (``sgl_rollout.bench.agent_task``) on CPU, through
+verl's own classes: its rows reach verl's RL dataset with their ``agent_name``; verl's ``AgentLoopWorker``
+finds the loop by that name in the registry file and runs every episode's turns through this package's
+server (``VerlRolloutServer`` on the engine double), each turn on the whole conversation so far, the tool
+turns masked out; the side commands compose with the registry file."""
+
+import asyncio
+import os
+import types
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+pytest.importorskip("verl")
+pytest.importorskip("ray")
+
+from fakes import verl_server  # noqa: E402
+from sgl_rollout.bench import agent_task, verl_compare  # noqa: E402
+from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir, build_chat_tokenizer  # noqa: E402
+from test_multimodal import _verl_client  # noqa: E402
+from test_verl_task import trainer_config  # noqa: E402
+
+
+@pytest.fixture
+def plain_requests(monkeypatch):
+    import sgl_rollout.engine.io_struct as engine_mod
+
+    monkeypatch.setattr(engine_mod, "make", lambda name, **fields: types.SimpleNamespace(**fields))
+
+
+def test_rows_carry_the_loops_name_and_the_registry_file_names_the_loop(tmp_path):
+    train, val, loops = agent_task.write_tools_task(tmp_path / "data", n_train=8, n_val=4)
+    for path, n in ((train, 8), (val, 4)):
+        rows = pq.read_table(path).to_pylist()
+        assert len(rows) == n and {r["agent_name"] for r in rows} == {agent_task.LOOP_NAME}
+        assert rows[0]["prompt"][-1]["role"] == "user"
+    assert loops.read_text() == (f"- name: {agent_task.LOOP_NAME}\n"
+                                 "  _target_: sgl_rollout.bench.agent_task.ToolTurnsLoop\n")
+
+
+def test_side_command_points_verl_at_the_registry_file(tmp_path):
+    cmd = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "run", 1, 1, 4, 0.5, python="python",
+                                    task="tools")
+    cfg = trainer_config(cmd[3:])
+    assert cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(
+        (tmp_path / "run" / "data" / "agent_loops.yaml").resolve())
+
+
+def _config(tmp_path, model_dir, loops):
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    r = "actor_rollout_ref.rollout"
+    overrides = [f"actor_rollout_ref.model.path={model_dir}", f"{r}.name=sglang", f"{r}.prompt_length=512",
+                 f"{r}.response_length=256", f"{r}.calculate_log_probs=true", f"{r}.temperature=0",
+                 *agent_task.tools_overrides(loops)]
+    with initialize_config_dir(config_dir=os.path.join(os.path.dirname(verl.__file__), "trainer", "config"),
+                               version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_path, plain_requests):
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.protocol import DataProto
+
+    tok = build_chat_tokenizer()
+    model_dir = build_chat_model_dir(tmp_path / "model")
+    _, _, loops = agent_task.write_tools_task(tmp_path / "data", n_train=2, n_val=2)
+    cfg = _config(tmp_path, model_dir, loops)
+    srv = verl_server(256, max_model_len=768, model_path=str(model_dir))
+    answers = iter(["12 + 30 = 42. Answer: 42<|im_end|>", "Still 42.<|im_end|>", "Answer: 42<|im_end|>"])
+    prompt = [{"role": "user", "content": "What is 12 + 30?"}]
+    batch = DataProto(non_tensor_batch={
+        "raw_prompt": np.array([np.array(prompt, dtype=object)], dtype=object),
+        "agent_name": np.array([agent_task.LOOP_NAME], dtype=object),
+        "data_source": np.array(["t"], dtype=object),
+    }, meta_info={"global_steps": 1, "validate": True})
+
+    async def body():
+        await srv.start()
+        try:
+            srv._engine._engine.reply = lambda ids: tok.encode(next(answers), add_special_tokens=False)
+            worker = AgentLoopWorker(cfg, _verl_client(srv))
+            return await worker.generate_sequences(batch), list(srv._engine._engine.requests)
+        finally:
+            await srv.shutdown()
+
+    out, requests = asyncio.run(body())
+    assert out.non_tensor_batch["__num_turns__"].tolist() == [1 + agent_task.TURNS + (agent_task.TURNS - 1)]
+    ids, mask = out.batch["responses"][0].tolist(), out.batch["response_mask"][0].tolist()
+    n = sum(out.batch["attention_mask"][0, -len(ids):].tolist())
+    text_by_mask = []
+    for i in range(n):
+        if not text_by_mask or text_by_mask[-1][0] != mask[i]:
+            text_by_mask.append([mask[i], []])
+        text_by_mask[-1][1].append(ids[i])
+    segs = [(m, tok.decode(t, skip_special_tokens=False)) for m, t in text_by_mask]
+    assert [m for m, _ in segs] == [1, 0, 1, 0, 1]
+    assert segs[0][1] == "12 + 30 = 42. Answer: 42<|im_end|>" and segs[4][1] == "Answer: 42<|im_end|>"
+    assert segs[1][1] == agent_task.tool_turn(agent_task.text_stats("12 + 30 = 42. Answer: 42"))
+    # every turn asked the server for the whole conversation so far
+    sent = [r["input_ids"][0] for r in requests]
+    assert len(sent) == agent_task.TURNS
+    for a, b in zip(sent, sent[1:]):
+        assert b[:len(a)] == a and len(b) > len(a)
+    assert sent[-1][len(sent[0]):] == ids[:len(sent[-1]) - len(sent[0])]
+    logprobs = out.batch["rollout_log_probs"][0][:n]
+    assert all(lp == 0.0 for lp, m in zip(logprobs.tolist(), mask) if m == 0)
+    assert all(r["sampling_params"]["temperature"] == 0 for r in requests)
