@@ -49,7 +49,8 @@ FEATURES: List[Feature] = [
     Feature("custom agent loop registered by name (`agent_loop_config_path`)", True, True, _TOOL_AGENT, note=_CPU_ONLY),
     Feature("partial rollout (`abort_all_requests` / `resume_generation`, weight versions)", True, True,
             "tests/test_tool_agent.py::test_a_turn_cut_by_a_weight_update_comes_back_partial_and_the_episode_continues_after_resume",
-            note="CPU; 1,000-request stress in tests/test_partial_rollout.py"),
+            note="CPU, and a 1,000-request stress (tests/test_partial_rollout.py); on an H100 an abort keeps "
+                 "the tokens made and the continuation runs on the new weights (tests/gpu/test_partial_rollout_gpu.py)"),
     Feature("images (`image_data`)", True, True, "tests/gpu/test_vlm_gpu.py::test_image_greedy_equals_hugging_face",
             note="H100, SGLang 0.5.12: tiny Qwen2.5-VL greedy == Hugging Face's; vision tower synced bit-exact "
                  "(`test_vision_tower_synced_bit_exact_on_the_fast_path`); verl's client on CPU (`tests/test_multimodal.py`)"),
@@ -87,7 +88,7 @@ FEATURES: List[Feature] = [
             "tests/test_verl_config.py::test_rollout_mode_decides_what_sleep_releases"),
     Feature("checkpoint-engine backends `naive`, `nccl`, `nixl`", True, True,
             "tests/test_verl_adapter.py::test_checkpoint_engine_worker_tp2_async_generator",
-            note="standalone rollout not yet run through verl (issue 39)"),
+            note="standalone rollout not yet run through verl (issue 39; `bench verl --trainer one_step_off` runs it)"),
     Feature("checkpoint-engine backend `delta_sharded`", True, False,
             "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
             refused_by=({"checkpoint_engine": {"backend": "delta_sharded"}}, "checkpoint_engine.backend")),
