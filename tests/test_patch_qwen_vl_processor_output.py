@@ -90,3 +90,16 @@ def test_sglang_reads_the_grids_from_ret_and_ret_is_none_without_raw_items(versi
     assert "getattr(ret, 'second_per_grid_ts', None)" in qwen
     combine = _function(procs / "base_processor.py", "process_and_combine_mm_data")
     assert "ret = None" in combine and "processor_output" in combine
+
+
+@pytest.mark.parametrize("version, passes", [("0.5.10.post1", False), ("0.5.12", True)])
+def test_only_0_5_12_lets_a_processor_output_video_through_preprocess_video(version, passes):
+    """``process_mm_data_async`` unpacks ``(video, metadata)`` pairs from ``preprocess_video``; for an item
+    that is no decoder (verl's processor-output dict) 0.5.12 returns ``(vr, None)``, 0.5.10.post1 the item
+    alone, which the unpacking takes apart (a ValueError in the request): the feature matrix's note."""
+    procs = _tree(version) / "sglang" / "srt" / "multimodal" / "processors"
+    pre = _function(procs / "qwen_vl.py", "preprocess_video")
+    assert ("return (vr, None)" in pre) is passes
+    assert ("return vr\n" in pre + "\n") is not passes
+    assert "base_output.videos, video_metadata = map(list, zip(*videos_processed))" in _function(
+        procs / "qwen_vl.py", "process_mm_data_async")

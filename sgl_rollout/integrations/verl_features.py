@@ -55,7 +55,8 @@ FEATURES: List[Feature] = [
             note="H100, SGLang 0.5.12: tiny Qwen2.5-VL greedy == Hugging Face's; vision tower synced bit-exact "
                  "(`test_vision_tower_synced_bit_exact_on_the_fast_path`); verl's client on CPU (`tests/test_multimodal.py`)"),
     Feature("video (`video_data`, the processor-output dict verl sends SGLang)", True, True, _MM,
-            note="CPU; on an H100 SGLang gave such a video the positions of text, which "
+            note="CPU; SGLang 0.5.12 only (0.5.10.post1's Qwen-VL processor fails such a request with a "
+                 "ValueError, read in its source); on an H100 0.5.12 gave the video the positions of text, which "
                  "`patches/qwen_vl_processor_output.py` fixes (the fix has not run on a GPU yet)"),
     Feature("audio (`audio_data`), per-request `mm_processor_kwargs`", False, False,
             "tests/test_multimodal.py::test_server_refuses_audio_and_per_request_processor_kwargs_before_sglang",
