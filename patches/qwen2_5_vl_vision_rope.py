@@ -25,14 +25,23 @@ patch helps it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
+import json
 import logging
 import numbers
+import os
+from typing import Optional
 
 logger = logging.getLogger(__name__)
 
 #: Set on the patched ``forward``, so that a second :func:`apply` changes nothing.
 _MARK = "_sgl_rollout_size_call"
+#: This patch's name among SGLang's general plugins (``pyproject.toml``).
+PLUGIN = "sgl_rollout_qwen2_5_vl_vision_rope"
+#: The first SGLang that loads general plugins in its scheduler.
+FIRST_WITH_PLUGINS = "0.5.12"
+ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 
 
 def needs_patch(cls) -> bool:
@@ -79,3 +88,66 @@ def apply() -> None:
                         "(patches/qwen2_5_vl_vision_rope.py)")
     except Exception as exc:  # noqa: BLE001
         logger.warning("sgl-rollout: Qwen2.5-VL vision rope patch not applied: %r", exc)
+
+
+def _transformers_class():
+    try:
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(modeling_qwen2_5_vl, "Qwen2_5_VisionRotaryEmbedding", None)
+
+
+def plugin_loaded_by_sglang(environ=None) -> bool:
+    """Whether SGLang's schedulers will run :func:`apply`: its entry point is registered (a pip install of
+    this package) and ``SGLANG_PLUGINS``, when set, names it."""
+    environ = os.environ if environ is None else environ
+    if not any(ep.name == PLUGIN for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
+        return False
+    allowed = environ.get("SGLANG_PLUGINS")
+    return not allowed or PLUGIN in {x.strip() for x in allowed.split(",")}
+
+
+def refusal(model_path: str, sglang_version: Optional[str], environ=None) -> Optional[str]:
+    """Why an engine for ``model_path`` must not start, in one line, or None. Only a Qwen2.5-VL
+    (``architectures`` of its ``config.json``) with a transformers whose vision rotary embedding takes
+    positions is concerned: its scheduler would die on the first image (see the module docstring)
+    unless SGLang (``>= FIRST_WITH_PLUGINS``) loads :func:`apply`; SGLang 0.5.10.post1 cannot, and with a
+    transformers that has no such class it does not load the model at all.
+
+    Args:
+        model_path: the model folder (no ``config.json`` there: None).
+        sglang_version: the installed SGLang (None: None).
+        environ: for ``SGLANG_PLUGINS``; ``os.environ`` by default.
+    """
+    from packaging.version import Version
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    if ARCHITECTURE not in architectures or sglang_version is None:
+        return None
+    cls = _transformers_class()
+    try:
+        import transformers
+
+        tf = transformers.__version__
+    except ImportError:
+        tf = "not installed"
+    old = Version(sglang_version) < Version(FIRST_WITH_PLUGINS)
+    if cls is None and old:
+        return (f"SGLang {sglang_version} cannot load Qwen2.5-VL with transformers {tf} (no "
+                f"Qwen2_5_VisionRotaryEmbedding): use SGLang {FIRST_WITH_PLUGINS} with sgl-rollout pip-installed")
+    if cls is None or not needs_patch(cls) and not getattr(cls.forward, _MARK, False):
+        return None
+    if old:
+        return (f"SGLang {sglang_version}'s scheduler dies on the first image of a Qwen2.5-VL with transformers "
+                f"{tf} (its vision rotary embedding changed): use SGLang {FIRST_WITH_PLUGINS} with sgl-rollout "
+                "pip-installed (patches/qwen2_5_vl_vision_rope.py)")
+    if not plugin_loaded_by_sglang(environ):
+        return (f"SGLang's scheduler dies on the first image of a Qwen2.5-VL with transformers {tf} unless it loads "
+                f"sgl-rollout's plugin {PLUGIN}: pip-install sgl-rollout (a PYTHONPATH registers no plugin) and "
+                "leave it in SGLANG_PLUGINS if you set that")
+    return None

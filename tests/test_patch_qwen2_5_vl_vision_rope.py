@@ -89,3 +89,54 @@ def test_pyproject_registers_the_plugin():
 
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
     assert eps == {"sgl_rollout_qwen2_5_vl_vision_rope": "sgl_rollout.patches.qwen2_5_vl_vision_rope:apply"}
+
+
+def _model_dir(folder, arch="Qwen2_5_VLForConditionalGeneration"):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text('{"architectures": ["%s"]}' % arch)
+    return str(folder)
+
+
+class _EntryPoint:
+    name = patch.PLUGIN
+
+
+def test_an_engine_that_would_die_on_its_first_image_is_refused_before_it_starts(tmp_path, monkeypatch):
+    import importlib.metadata
+
+    path = _model_dir(tmp_path)
+    registered = {"eps": [_EntryPoint()]}
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: registered["eps"])
+    monkeypatch.setattr(patch, "_transformers_class", lambda: Upstream)  # the positions API (5.9 and later)
+    assert patch.refusal(path, "0.5.12", environ={}) is None  # the plugin patches the scheduler
+    why = patch.refusal(path, "0.5.10.post1", environ={})
+    assert "dies on the first image" in why and "0.5.12" in why and "\n" not in why
+    assert "SGLANG_PLUGINS" in patch.refusal(path, "0.5.12", environ={"SGLANG_PLUGINS": "other"})
+    registered["eps"] = []
+    assert "pip-install sgl-rollout" in patch.refusal(path, "0.5.12", environ={})
+    # a transformers whose class still takes a size: both releases serve it
+    old = type("Old", (torch.nn.Module,), {"forward": lambda self, seqlen: seqlen})
+    monkeypatch.setattr(patch, "_transformers_class", lambda: old)
+    assert patch.refusal(path, "0.5.10.post1", environ={}) is None
+    # a transformers without the class: 0.5.10.post1 cannot load the model
+    monkeypatch.setattr(patch, "_transformers_class", lambda: None)
+    assert "cannot load Qwen2.5-VL" in patch.refusal(path, "0.5.10.post1", environ={})
+    assert patch.refusal(path, "0.5.12", environ={}) is None
+    # other models, no config, no SGLang: nothing to say
+    assert patch.refusal(_model_dir(tmp_path / "llama", "LlamaForCausalLM"), "0.5.10.post1") is None
+    assert patch.refusal(str(tmp_path / "nowhere"), "0.5.10.post1") is None
+    assert patch.refusal(path, None) is None
+
+
+def test_the_engine_start_asks_for_the_refusal(tmp_path, monkeypatch):
+    from sgl_rollout.config import RolloutConfig
+    from sgl_rollout.engine import core
+    from sgl_rollout.engine.sglang_version import UnsupportedSGLangVersion
+
+    monkeypatch.setattr(core, "installed_sglang", lambda: "0.5.10.post1")
+    monkeypatch.setattr(patch, "_transformers_class", lambda: Upstream)
+    with pytest.raises(UnsupportedSGLangVersion, match="dies on the first image"):
+        core.check_model_for_sglang(RolloutConfig(model_path=_model_dir(tmp_path)))
+    monkeypatch.setattr(core, "installed_sglang", lambda: "0.5.12")
+    monkeypatch.setattr(patch, "plugin_loaded_by_sglang", lambda environ=None: True)
+    core.check_model_for_sglang(RolloutConfig(model_path=_model_dir(tmp_path)))

@@ -25,7 +25,7 @@ from ..config import RolloutConfig
 from ..memory import ALL_TAGS, CUDA_GRAPH, MemoryState
 from ..twin import Step, twin
 from .lifecycle import EngineClosedError, EngineDeadError, EngineProcesses, engine_env_updates, on_sigquit
-from .sglang_version import check_sglang_version
+from .sglang_version import UnsupportedSGLangVersion, check_sglang_version, installed_sglang
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,20 @@ logger = logging.getLogger(__name__)
 def engine_tags(config: RolloutConfig) -> tuple:
     """The tags an engine built from ``config`` has: ``cuda_graph`` only when CUDA graphs are on."""
     return tuple(t for t in ALL_TAGS if t != CUDA_GRAPH or not config.enforce_eager)
+
+
+def check_model_for_sglang(config: RolloutConfig) -> None:
+    """Refuse, before SGLang starts, a model whose scheduler would die under the installed SGLang and
+    transformers: a Qwen2.5-VL on its first image (``patches/qwen2_5_vl_vision_rope.py``, :func:`refusal`).
+
+    Raises:
+        UnsupportedSGLangVersion: one line naming the versions and what to install.
+    """
+    from ..patches import qwen2_5_vl_vision_rope
+
+    why = qwen2_5_vl_vision_rope.refusal(config.model_path, installed_sglang())
+    if why:
+        raise UnsupportedSGLangVersion(why)
 
 
 def check_tp_for_sglang(config: RolloutConfig) -> None:
@@ -156,6 +170,7 @@ class EngineCore:
         if factory is None:
             check_sglang_version()
             check_tp_for_sglang(self.config)
+            check_model_for_sglang(self.config)
             from sglang.srt.entrypoints.engine import Engine as factory  # noqa: N813
 
         self._generation += 1

@@ -30,7 +30,8 @@ ALLOW_ENV = "SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG"
 
 
 class UnsupportedSGLangVersion(RuntimeError):
-    """The installed SGLang is outside :data:`SUPPORTED`; raised before an engine starts."""
+    """The installed SGLang is outside :data:`SUPPORTED`, or cannot serve the model with the installed
+    transformers (``sgl_rollout.engine.core.check_model_for_sglang``); raised before an engine starts."""
 
 
 def installed_sglang() -> Optional[str]:
