@@ -117,14 +117,13 @@ def _sglang_plugin() -> str:
     needed for Qwen2.5-VL images with transformers >= 5.9): registered only by a pip install of this
     package (an entry point; a bare ``PYTHONPATH`` has none), loaded by SGLang from 0.5.12 on, and only
     when ``SGLANG_PLUGINS``, if set, names it."""
-    name = "sgl_rollout_qwen2_5_vl_vision_rope"
-    eps = importlib.metadata.entry_points(group="sglang.srt.plugins")
-    if not any(ep.name == name for ep in eps):
-        return "not registered (install this package with pip; needed for Qwen2.5-VL images on SGLang 0.5.12)"
-    allowed = os.environ.get("SGLANG_PLUGINS")
-    if allowed and name not in {x.strip() for x in allowed.split(",")}:
-        return f"registered, but SGLANG_PLUGINS={allowed!r} leaves it out"
-    return "registered (Qwen2.5-VL vision rope fix; SGLang >= 0.5.12 loads it in its schedulers)"
+    from .patches import qwen2_5_vl_vision_rope as rope
+
+    if rope.plugin_loaded_by_sglang():
+        return "registered (Qwen2.5-VL vision rope fix; SGLang >= 0.5.12 loads it in its schedulers)"
+    if any(ep.name == rope.PLUGIN for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
+        return f"registered, but SGLANG_PLUGINS={os.environ.get('SGLANG_PLUGINS')!r} leaves it out"
+    return "not registered (install this package with pip; needed for Qwen2.5-VL images on SGLang 0.5.12)"
 
 
 def _info(fn: Callable[[], str]) -> Callable[[], Result]:
