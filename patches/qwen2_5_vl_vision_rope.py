@@ -140,7 +140,7 @@ def refusal(model_path: str, sglang_version: Optional[str], environ=None) -> Opt
     if cls is None and old:
         return (f"SGLang {sglang_version} cannot load Qwen2.5-VL with transformers {tf} (no "
                 f"Qwen2_5_VisionRotaryEmbedding): use SGLang {FIRST_WITH_PLUGINS} with sgl-rollout pip-installed")
-    if cls is None or not needs_patch(cls) and not getattr(cls.forward, _MARK, False):
+    if cls is None or (not needs_patch(cls) and not getattr(cls.forward, _MARK, False)):  # takes a size: fine
         return None
     if old:
         return (f"SGLang {sglang_version}'s scheduler dies on the first image of a Qwen2.5-VL with transformers "

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .verl_trainers import SYNC_KEYS, TRAINERS
+from .verl_trainers import MODULES, SYNC_KEYS, TRAINERS, override_value, split_gpus, trainer_overrides, with_overrides
 
 #: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: ``none`` loads no plugin, a comma list only
 #: those named): the only thing that decides which rollout answers ``rollout.name=sglang``.
@@ -356,8 +356,6 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     from ..workloads import grpo_overrides
     from .verl_probe import ENV_DIR, SETUP_HOOK
 
-    from .verl_trainers import MODULES, override_value, split_gpus, trainer_overrides, with_overrides
-
     train_gpus, roll_gpus = split_gpus(trainer, ngpus, rollout_gpus)
     overrides = grpo_overrides(model_dir, run_dir, ngpus=train_gpus, tp=tp, steps=steps, nnodes=nnodes,
                                gpu_memory_utilization=gpu_memory_utilization, experiment_name=f"compare_{side}")
@@ -628,8 +626,6 @@ def check_trainer(trainer: str, ngpus: int, rollout_gpus: int, nnodes: int) -> N
         SetupError: a GPU split :func:`.verl_trainers.split_gpus` refuses, or an asynchronous trainer over
             several nodes (its rollout pool is one node here).
     """
-    from .verl_trainers import split_gpus
-
     try:
         split_gpus(trainer, ngpus, rollout_gpus)
     except ValueError as exc:

@@ -92,21 +92,22 @@ def trainer_overrides(trainer: str, rollout_gpus: int, steps: int, mini_batch: i
             "async_training.require_batches=1", "async_training.trigger_parameter_sync_step=1"]
 
 
+def _key(override: str) -> str:
+    """The config key of a hydra override (``+a.b=1`` -> ``a.b``)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def with_overrides(base, extra):
     """``base`` hydra overrides with those of ``extra`` put in: an entry of ``extra`` replaces the one of
-    ``base`` with the same key (hydra refuses a key given twice), the others are appended."""
-    def key(o: str) -> str:
-        return o.split("=", 1)[0].lstrip("+~")
-
-    keys = {key(o) for o in extra}
-    return [o for o in base if key(o) not in keys] + list(extra)
+    ``base`` with the same key (so the command gives each key once), the others are appended."""
+    keys = {_key(o) for o in extra}
+    return [o for o in base if _key(o) not in keys] + list(extra)
 
 
 def override_value(overrides, key: str):
     """The value (a string) ``overrides`` give ``key`` last, or None."""
     found = None
     for o in overrides:
-        k, _, v = o.partition("=")
-        if k.lstrip("+~") == key:
-            found = v
+        if _key(o) == key:
+            found = o.partition("=")[2]
     return found
