@@ -47,6 +47,28 @@ def test_side_command_points_verl_at_the_registry_file(tmp_path):
         (tmp_path / "run" / "data" / "agent_loops.yaml").resolve())
 
 
+def test_the_tools_task_makes_its_own_model_with_weights_the_same_each_time(tmp_path):
+    import argparse
+    import hashlib
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    args = argparse.Namespace(task="tools", model=None, gguf=None, random_model=None)
+    model_dir = verl_compare.prepare_task(args, tmp_path / "a", n_val=4)
+    again = verl_compare.prepare_task(args, tmp_path / "b", n_val=4)
+    digest = [hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest() for d in (model_dir, again)]
+    assert digest[0] == digest[1]  # both sides of a comparison run the same weights, wherever they are made
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = build_chat_tokenizer()
+    assert cfg["vocab_size"] == len(tok) and cfg["eos_token_id"] == tok.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    assert sum(p.numel() for p in model.parameters()) > 10**6 and model.config.num_hidden_layers == 2
+    assert len(pq.read_table(tmp_path / "a" / "data" / "val.parquet")) == 4
+    assert (tmp_path / "a" / "data" / "agent_loops.yaml").is_file()
+
+
 def _config(tmp_path, model_dir, loops):
     import verl
     from hydra import compose, initialize_config_dir

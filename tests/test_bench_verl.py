@@ -647,6 +647,24 @@ def test_nvml_sampler_keeps_the_peak_and_reports_a_missing_nvml():
     assert out["peak_used_bytes"] == {} and "libnvidia-ml" in out["error"]
 
 
+def test_nvml_sampler_samples_only_the_visible_gpus_in_cudas_order():
+    class ByUuid(FakeNvml):
+        def nvmlDeviceGetHandleByUUID(self, uuid):
+            if uuid != "GPU-abc":
+                raise KeyError(uuid)
+            return 0
+
+    nv = ByUuid([100, 200, 300])
+    out = verl_compare.NvmlSampler(nvml=nv, environ={"CUDA_VISIBLE_DEVICES": "2,1"}).start().stop()
+    assert out["baseline_bytes"] == {"0": 300, "1": 200}  # CUDA's device 0 is NVML's 2
+    out = verl_compare.NvmlSampler(nvml=nv, environ={"CUDA_VISIBLE_DEVICES": "GPU-abc,7,1"}).start().stop()
+    assert out["baseline_bytes"] == {"0": 100}  # the list ends at the first GPU that does not exist
+    out = verl_compare.NvmlSampler(nvml=nv, environ={"CUDA_VISIBLE_DEVICES": "GPU-zzz,1"}).start().stop()
+    assert out["baseline_bytes"] == {}
+    out = verl_compare.NvmlSampler(nvml=nv, environ={}).start().stop()
+    assert out["baseline_bytes"] == {"0": 100, "1": 200, "2": 300}
+
+
 def test_nvml_sampler_records_who_held_the_memory_at_each_gpus_peak():
     import time
 
@@ -844,6 +862,10 @@ def test_two_node_side_command_composes_into_verls_config(tmp_path):
     assert cfg.trainer.nnodes == 2 and cfg.trainer.n_gpus_per_node == 1
     assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2  # one replica over both nodes
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES == "1"
+    assert "address" not in cfg.ray_kwargs.ray_init  # joins the cluster RAY_ADDRESS names
+    one = trainer_config(verl_compare.side_command("ours", tmp_path / "m", tmp_path / "run", 1, 1, 4, 0.5,
+                                                   python="python")[3:])
+    assert one.ray_kwargs.ray_init.address == "local"  # one node: a Ray cluster of its own, never another run's
 
 
 def test_simulated_nodes_are_raylets_with_their_own_devices():

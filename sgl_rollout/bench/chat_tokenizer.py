@@ -62,16 +62,43 @@ def build_chat_tokenizer(extra_special=()):
     return tok
 
 
-def build_chat_model_dir(folder) -> str:
-    """A Qwen2-architecture ``config.json`` (tiny; no weights: the engine is a double) and the tokenizer,
-    the folder verl's ``HFModelConfig`` reads for ``actor_rollout_ref.model.path``."""
+#: The shape of :func:`build_chat_model_dir`'s model with weights (Qwen2 architecture, head_dim 64).
+TOOLS_MODEL_SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2}
+
+
+def build_chat_model_dir(folder, with_weights: bool = False, seed: int = 0, init_std: float = 0.15) -> str:
+    """A Qwen2-architecture model folder with the tokenizer of :func:`build_chat_tokenizer`, the folder
+    verl's ``HFModelConfig`` reads for ``actor_rollout_ref.model.path``.
+
+    Args:
+        folder: where to write it.
+        with_weights: False: ``config.json`` of a 1-layer model and no weights (for engine doubles).
+            True: a :data:`TOOLS_MODEL_SHAPE` model (~1.5 M parameters, bf16 ``model.safetensors``) with
+            random weights (:func:`.models.redraw` from ``seed``; ``init_std`` 0.15 makes greedy
+            decoding's choices clear, not near-ties), what ``bench verl --task tools`` runs on both
+            sides so that their tokens can be compared.
+
+    Returns:
+        the folder, as a string.
+    """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_chat_tokenizer()
     tok.save_pretrained(folder)
-    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok),
-              "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
+    shape = TOOLS_MODEL_SHAPE if with_weights else {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                                    "num_attention_heads": 4, "num_key_value_heads": 2}
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": len(tok), **shape,
+              "max_position_embeddings": 8192, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
               "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    if with_weights:
+        import torch
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from .models import redraw
+
+        model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in config.items() if k != "architectures"}))
+        redraw(model, seed, init_std)
+        model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     return str(folder)

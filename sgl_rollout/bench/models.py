@@ -112,3 +112,18 @@ def lora_named_tensors(shape: Dict, rank: int, device: str = "cuda", dtype: torc
             out.append((p + "lora_A.weight", (torch.randn(rank, fan_in, device=device, generator=g) * 0.01).to(dtype)))
             out.append((p + "lora_B.weight", (torch.randn(fan_out, rank, device=device, generator=g) * 0.01).to(dtype)))
     return out
+
+
+def redraw(model, seed: int, init_std: float = 0.15) -> None:
+    """Redraw every parameter of ``model`` in place from ``seed``: matrices N(0, ``init_std``), biases
+    N(0, 0.1), 1-D norm weights U(0.5, 1.5). A trainer step's stand-in that changes greedy output."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                new = torch.randn(p.shape, generator=g) * init_std
+            elif name.endswith("bias"):
+                new = torch.randn(p.shape, generator=g) * 0.1
+            else:
+                new = torch.rand(p.shape, generator=g) + 0.5
+            p.copy_(new.to(p.dtype))

@@ -187,12 +187,19 @@ class NvmlSampler:
     SGLang's scheduler (empty where the driver does not report them). Without NVML, ``error`` says why
     and the peaks stay empty.
 
+    Only the GPUs this process may use are sampled (:func:`visible_handles`), keyed ``"0"``, ``"1"``, ...
+    as CUDA numbers them, so that two runs side by side on one host, each with its own
+    ``CUDA_VISIBLE_DEVICES``, do not count each other's memory.
+
     Args:
         interval_s: seconds between samples.
+        nvml: pynvml or a double (None: import pynvml).
+        environ: where ``CUDA_VISIBLE_DEVICES`` is read (None: ``os.environ``).
     """
 
-    def __init__(self, interval_s: float = 0.1, nvml=None):
+    def __init__(self, interval_s: float = 0.1, nvml=None, environ: Optional[Dict[str, str]] = None):
         self.interval_s = interval_s
+        self._environ = os.environ if environ is None else environ
         self.peak_used_bytes: Dict[str, int] = {}
         self.baseline_bytes: Dict[str, int] = {}
         self.series: List[list] = []
@@ -231,7 +238,7 @@ class NvmlSampler:
 
                 self._nvml = pynvml
             self._nvml.nvmlInit()
-            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self._nvml.nvmlDeviceGetCount())]
+            self._handles = visible_handles(self._nvml, self._environ.get("CUDA_VISIBLE_DEVICES"))
             used = self._used()
         except Exception as exc:  # noqa: BLE001 - no NVML: the run goes on without the figure
             self.error = f"NVML unavailable: {type(exc).__name__}: {exc}"
@@ -280,6 +287,29 @@ class NvmlSampler:
                 "interval_s": self.interval_s, "series": self.series, "process_series": self.process_series,
                 "peak_processes": self.peak_processes,
                 "error": self.error}
+
+
+def visible_handles(nvml, cuda_visible_devices: Optional[str]) -> list:
+    """NVML handles of the GPUs ``CUDA_VISIBLE_DEVICES`` names, in CUDA's order (all GPUs where it is unset).
+
+    Entries are NVML indices or UUIDs (``GPU-...``, ``MIG-...``); as CUDA does, the list ends at the first
+    entry that names no GPU. NVML itself ignores ``CUDA_VISIBLE_DEVICES`` (it numbers every GPU of the
+    host), hence this mapping."""
+    count = nvml.nvmlDeviceGetCount()
+    if cuda_visible_devices is None:
+        return [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    handles = []
+    for entry in (e.strip() for e in cuda_visible_devices.split(",")):
+        if entry.isdigit() and int(entry) < count:
+            handles.append(nvml.nvmlDeviceGetHandleByIndex(int(entry)))
+        elif entry.startswith(("GPU-", "MIG-")):
+            try:
+                handles.append(nvml.nvmlDeviceGetHandleByUUID(entry))
+            except Exception:  # noqa: BLE001 - no such GPU: CUDA stops the list there too
+                break
+        else:
+            break
+    return handles
 
 
 def process_name(pid: int, proc: str = "/proc") -> str:
@@ -370,6 +400,10 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     overrides = with_overrides(overrides, trainer_overrides(
         trainer, roll_gpus, steps, int(override_value(overrides, "actor_rollout_ref.actor.ppo_mini_batch_size")),
         int(override_value(overrides, "actor_rollout_ref.rollout.n"))))
+    if nnodes == 1:
+        # a Ray cluster of its own (RAY_ADDRESS still wins): ray.init() would join one already running on
+        # this host, such as the other side's when two runs share a host on different GPUs
+        overrides.append("+ray_kwargs.ray_init.address=local")
     env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side], **(worker_env or {})}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
@@ -574,7 +608,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="arith: the demo's sums (text); shapes: name a drawn shape's colour, one image a prompt, "
                         "on a tiny Qwen2.5-VL with random weights (sgl_rollout.bench.vlm; --model is not used); "
                         "tools: the sums in 3-turn episodes with tool responses between the turns "
-                        "(sgl_rollout.bench.agent_task)")
+                        "(sgl_rollout.bench.agent_task), on a tiny Qwen2 with random weights and an offline "
+                        "ChatML/hermes tokenizer unless --model or --gguf is given")
     p.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     p.add_argument("--pairs", type=int, default=1, help="pairs of runs (built-in, sgl-rollout), alternating order")
     p.add_argument("--ngpus", type=int, default=1, help="GPUs of the node (replicas = ngpus / tp)")
@@ -679,14 +714,19 @@ def simulated_nodes(nnodes: int, ngpus: int):
 
 def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
     """The model folder and ``out/data/{train,val}.parquet`` of ``args.task``: the demo's model (or a
-    random Llama of its tokenizer, ``--random-model``) and 2,048 sums, or a tiny Qwen2.5-VL with random
-    weights and 512 pictures (:mod:`.vlm`). Returns the model folder.
+    random Llama of its tokenizer, ``--random-model``) and 2,048 sums; a tiny Qwen2.5-VL with random
+    weights and 512 pictures (:mod:`.vlm`); for ``tools``, the sums as tool-turn episodes
+    (:mod:`.agent_task`) on ``--model``/``--gguf`` if given, else on a tiny Qwen2 with random weights and
+    the offline ChatML/hermes tokenizer (:func:`.chat_tokenizer.build_chat_model_dir`: no hub, no GGUF,
+    and outputs that only have to be equal on both sides). Returns the model folder.
 
     Raises:
         SetupError: the model cannot be made here (one line).
     """
     from ..workloads import ModelSetupError, resolve_model, write_parquet
 
+    if args.task == "tools":
+        from .agent_task import write_tools_task
     try:
         if args.task == "shapes":
             from .vlm import make_qwen2_5_vl_dir, write_shapes_parquet
@@ -696,6 +736,14 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
                 make_qwen2_5_vl_dir(str(model_dir))
             write_shapes_parquet(out / "data", n_train=512, n_val=n_val)
             return model_dir
+        if args.task == "tools" and not (args.model or args.gguf):
+            from .chat_tokenizer import build_chat_model_dir
+
+            model_dir = out / "model-chat-tiny-random"
+            if not (model_dir / "model.safetensors").is_file():
+                build_chat_model_dir(model_dir, with_weights=True)
+            write_tools_task(out / "data", n_train=2048, n_val=n_val)
+            return model_dir
         model_dir = resolve_model(args.model, args.gguf)
         if args.random_model:
             model_dir = random_llama_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
@@ -703,8 +751,6 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
         raise SetupError(f"model: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
     if args.task == "tools":
-        from .agent_task import write_tools_task
-
         write_tools_task(out / "data", n_train=2048, n_val=n_val)
     else:
         write_parquet(out / "data", n_train=2048, n_val=n_val)
@@ -774,7 +820,8 @@ def main(args: argparse.Namespace) -> int:
     diffs = differences(args.fast_sync)
     config = {
         "title": args.title, "task": args.task, "model": str(model_dir),
-        "random_weights": bool(args.random_model) or args.task == "shapes",
+        "random_weights": bool(args.random_model) or args.task == "shapes" or (
+            args.task == "tools" and not (args.model or args.gguf)),
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp, "nnodes": args.nnodes,
         "simulated_nodes": bool(args.simulate_nodes and args.nnodes > 1), "trainer": args.trainer,
         "rollout_gpus": args.rollout_gpus if args.trainer != "sync" else None,

@@ -25,6 +25,7 @@ from typing import Dict
 import torch
 
 from .chat_tokenizer import build_chat_tokenizer
+from .models import redraw  # noqa: F401 - also this module's name for it (the VLM GPU test's)
 
 #: Qwen2-VL's vision tokens, in the order the tokenizer adds them after the chat tokens.
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -123,21 +124,6 @@ def make_qwen2_5_vl_dir(path: str, shape: Dict = QWEN2_5_VL_TINY, seed: int = 0,
     return model.eval()
 
 
-def redraw(model, seed: int, init_std: float = 0.15) -> None:
-    """Redraw every parameter of ``model`` in place from ``seed``: matrices N(0, ``init_std``), biases
-    N(0, 0.1), 1-D norm weights U(0.5, 1.5). A trainer step's stand-in that changes greedy output."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                new = torch.randn(p.shape, generator=g) * init_std
-            elif name.endswith("bias"):
-                new = torch.randn(p.shape, generator=g) * 0.1
-            else:
-                new = torch.rand(p.shape, generator=g) + 0.5
-            p.copy_(new.to(p.dtype))
-
-
 # ------------------------------------------------------------------------------- the shapes task
 #: verl's ``data_source`` of the shapes task (:func:`shapes_score` scores only it).
 SHAPES_SOURCE = "sgl_rollout/shapes"
@@ -233,8 +219,11 @@ def shapes_score(data_source: str, solution_str: str, ground_truth, extra_info=N
     return {"score": acc, "acc": acc}
 
 
-#: The overrides the shapes task puts over the arithmetic task's (:func:`sgl_rollout.workloads.grpo_overrides`).
+#: The overrides the shapes task puts over the arithmetic task's (:func:`sgl_rollout.workloads.grpo_overrides`);
+#: the vision tower's attention on torch's SDPA, as the VLM GPU test runs it (like the text attention's
+#: ``triton`` there: kernels the GPU host has), on both sides.
 SHAPES_OVERRIDES = ("data.image_key=images",
                     "reward.custom_reward_function.path=pkg://sgl_rollout.bench.vlm",
-                    "reward.custom_reward_function.name=shapes_score")
+                    "reward.custom_reward_function.name=shapes_score",
+                    "+actor_rollout_ref.rollout.engine_kwargs.sglang.mm_attention_backend=sdpa")
 
