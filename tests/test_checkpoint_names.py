@@ -8,7 +8,7 @@ import torch
 
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.errors import SyncValidationError
-from sgl_rollout.weight_sync.checkpoint_names import checkpoint_renamer, prefix_pairs
+from sgl_rollout.checkpoint_names import checkpoint_renamer, prefix_pairs
 from sgl_rollout.weight_sync.manifest import SyncValidator, WeightManifest
 from sgl_rollout.weight_sync.path import SyncPath
 

@@ -47,10 +47,11 @@ def test_wheel_holds_every_source_module(tmp_path):
     assert "sgl_rollout = sgl_rollout.integrations.verl:register" in text  # what verl's rollout.name=sglang finds
     # the product's only verl plugin: the benchmark's timing probe reaches verl's workers through Ray's
     # worker_process_setup_hook (sgl_rollout.bench.verl_probe), not through every user's `import verl`;
-    # the only SGLang plugin: the Qwen2.5-VL vision-rope fix SGLang's scheduler loads
+    # the only SGLang plugins: the Qwen-VL fixes SGLang's scheduler loads (vision rope, weight names)
     assert {ln for ln in text.splitlines() if "=" in ln} == {
         "sgl_rollout = sgl_rollout.integrations.verl:register", "sgl-rollout = sgl_rollout.__main__:main",
-        "sgl_rollout_qwen2_5_vl_vision_rope = sgl_rollout.patches.qwen2_5_vl_vision_rope:apply"}
+        "sgl_rollout_qwen2_5_vl_vision_rope = sgl_rollout.patches.qwen2_5_vl_vision_rope:apply",
+        "sgl_rollout_qwen_vl_weight_names = sgl_rollout.patches.qwen_vl_weight_names:apply"}
     assert "[sglang.srt.plugins]" in text
 
 

@@ -88,7 +88,7 @@ def test_pyproject_registers_the_plugin():
     import tomllib
 
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["sglang.srt.plugins"]
-    assert eps == {"sgl_rollout_qwen2_5_vl_vision_rope": "sgl_rollout.patches.qwen2_5_vl_vision_rope:apply"}
+    assert eps["sgl_rollout_qwen2_5_vl_vision_rope"] == "sgl_rollout.patches.qwen2_5_vl_vision_rope:apply"
 
 
 def _model_dir(folder, arch="Qwen2_5_VLForConditionalGeneration"):

@@ -65,6 +65,7 @@ def _imports(path):
 FLOORS = {
     "sgl_rollout": 0, "sgl_rollout.config": 0, "sgl_rollout.errors": 0, "sgl_rollout.memory": 0,
     "sgl_rollout.twin": 0, "sgl_rollout.lora_adapter": 0, "sgl_rollout.trace": 0, "sgl_rollout.patches": 0,
+    "sgl_rollout.checkpoint_names": 0,
     "sgl_rollout.engine": 1, "sgl_rollout.switch": 2, "sgl_rollout.weight_sync": 3,
     "sgl_rollout.worker": 4, "sgl_rollout.server": 4, "sgl_rollout.integrations": 5,
     "sgl_rollout.doctor": 6, "sgl_rollout.__main__": 6, "sgl_rollout.workloads": 6,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
-from .checkpoint_names import checkpoint_renamer
+from ..checkpoint_names import checkpoint_renamer
 from .manifest import WeightManifest
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class SyncPath:
 
     def checkpoint_name(self, name: str) -> str:
         """``name`` as the checkpoint (and the manifest and SGLang's loader) spell it: a transformers >= 5
-        runtime name renamed back (:mod:`.checkpoint_names`, e.g. Qwen2.5-VL's ``model.visual.*`` ->
+        runtime name renamed back (:mod:`sgl_rollout.checkpoint_names`, e.g. Qwen2.5-VL's ``model.visual.*`` ->
         ``visual.*``); unchanged for models whose names need no change. The mapping is read once."""
         if not self._renamer_read:
             self._renamer_read = True

@@ -55,26 +55,37 @@ def renamer_from_pairs(pairs: List[Tuple[str, str]]) -> Optional[Callable[[str],
     return rename
 
 
-def checkpoint_renamer(model_path: str, trust_remote_code: bool = False) -> Optional[Callable[[str], str]]:
-    """The ``runtime name -> checkpoint name`` function of the model in ``model_path``, from transformers'
-    conversion mapping of its architecture (the model is built on the meta device: no memory, no
-    weights); None when its names need no change, or when transformers (before 5) or the architecture
-    offers no mapping. Never raises: a model it cannot build gets None, logged."""
+def renamer_for_config(config) -> Optional[Callable[[str], str]]:
+    """The ``runtime name -> checkpoint name`` function of a model of transformers ``config`` (its
+    ``architectures[0]`` built on the meta device: no memory, no weights); None when its names need no
+    change, or when transformers (before 5) or the architecture offers no mapping.
+
+    Raises:
+        whatever transformers raises building the model (callers decide what a failure means).
+    """
     try:
         import torch
         import transformers
-        from transformers import AutoConfig
         from transformers.conversion_mapping import get_model_conversion_mapping
     except ImportError:
         return None
+    cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
+    if cls is None:
+        return None
+    with torch.device("meta"):
+        model = cls._from_config(config)
+    return renamer_from_pairs(prefix_pairs(get_model_conversion_mapping(model)))
+
+
+def checkpoint_renamer(model_path: str, trust_remote_code: bool = False) -> Optional[Callable[[str], str]]:
+    """:func:`renamer_for_config` of the model in ``model_path``. Never raises: a model it cannot build
+    gets None, logged."""
     try:
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-        cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
-        if cls is None:
-            return None
-        with torch.device("meta"):
-            model = cls._from_config(config)
-        return renamer_from_pairs(prefix_pairs(get_model_conversion_mapping(model)))
+        from transformers import AutoConfig
+    except ImportError:
+        return None
+    try:
+        return renamer_for_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
     except Exception as exc:  # noqa: BLE001 - no renaming beats no sync; the manifest still checks names
         logger.warning("no checkpoint-name mapping for %s (%r): weights are sent under the trainer's names",
                        model_path, exc)
