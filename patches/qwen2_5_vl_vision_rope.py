@@ -25,7 +25,6 @@ patch helps it.
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 import json
 import logging
@@ -99,13 +98,10 @@ def _transformers_class():
 
 
 def plugin_loaded_by_sglang(environ=None) -> bool:
-    """Whether SGLang's schedulers will run :func:`apply`: its entry point is registered (a pip install of
-    this package) and ``SGLANG_PLUGINS``, when set, names it."""
-    environ = os.environ if environ is None else environ
-    if not any(ep.name == PLUGIN for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
-        return False
-    allowed = environ.get("SGLANG_PLUGINS")
-    return not allowed or PLUGIN in {x.strip() for x in allowed.split(",")}
+    """Whether SGLang's schedulers will run :func:`apply` (:func:`sgl_rollout.patches.sglang_plugin_state`)."""
+    from . import sglang_plugin_state
+
+    return sglang_plugin_state(PLUGIN, environ) == "loaded"
 
 
 def refusal(model_path: str, sglang_version: Optional[str], environ=None) -> Optional[str]:

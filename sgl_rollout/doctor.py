@@ -113,17 +113,21 @@ def _verl() -> str:
 
 
 def _sglang_plugin() -> str:
-    """Whether SGLang's schedulers will load this package's plugin (``patches/qwen2_5_vl_vision_rope.py``,
-    needed for Qwen2.5-VL images with transformers >= 5.9): registered only by a pip install of this
-    package (an entry point; a bare ``PYTHONPATH`` has none), loaded by SGLang from 0.5.12 on, and only
-    when ``SGLANG_PLUGINS``, if set, names it."""
-    from .patches import qwen2_5_vl_vision_rope as rope
+    """Whether SGLang's schedulers will load this package's plugins (``patches/qwen2_5_vl_vision_rope.py``,
+    needed for Qwen2.5-VL images with transformers >= 5.9; ``patches/qwen_vl_weight_names.py``, needed by
+    senders of transformers 5's Qwen-VL names such as verl's built-in): registered only by a pip install
+    of this package (an entry point; a bare ``PYTHONPATH`` has none), loaded by SGLang from 0.5.12 on, and
+    only when ``SGLANG_PLUGINS``, if set, names them."""
+    from .patches import SGLANG_PLUGINS, sglang_plugin_state
 
-    if rope.plugin_loaded_by_sglang():
-        return "registered (Qwen2.5-VL vision rope fix; SGLang >= 0.5.12 loads it in its schedulers)"
-    if any(ep.name == rope.PLUGIN for ep in importlib.metadata.entry_points(group="sglang.srt.plugins")):
-        return f"registered, but SGLANG_PLUGINS={os.environ.get('SGLANG_PLUGINS')!r} leaves it out"
-    return "not registered (install this package with pip; needed for Qwen2.5-VL images on SGLang 0.5.12)"
+    states = {name: sglang_plugin_state(name) for name in SGLANG_PLUGINS}
+    if all(v == "loaded" for v in states.values()):
+        return (f"{len(states)} registered (Qwen2.5-VL vision rope, Qwen-VL transformers-5 weight names; SGLang "
+                ">= 0.5.12 loads them in its schedulers)")
+    if all(v == "unregistered" for v in states.values()):
+        return "not registered (install this package with pip; needed for Qwen2.5-VL on SGLang 0.5.12)"
+    return "; ".join(f"{k}: {'registered, but SGLANG_PLUGINS=' + repr(os.environ.get('SGLANG_PLUGINS')) + ' leaves it out' if v == 'excluded' else v}"
+                     for k, v in states.items())
 
 
 def _info(fn: Callable[[], str]) -> Callable[[], Result]:

@@ -586,3 +586,31 @@ def test_greedy_validation_before_training_is_compared_sample_by_sample(tmp_path
     same = verl_report.greedy_agreement(out / "pair1" / "builtin", out / "pair1" / "ours")
     assert same == {"compared": 4, "equal": 4, "first_difference": None}
     assert verl_report.greedy_agreement(out / "pair1" / "builtin", tmp_path / "nowhere") is None
+
+
+def test_greedy_validation_is_matched_by_prompt_and_ground_truth_not_by_line(tmp_path):
+    """verl dumps the samples as they finish: the same answers in another order are all equal; where one
+    prompt is asked of several pictures, answers count per prompt and ground truth; the last validation
+    both runs dumped after training is compared too."""
+    def write(run: Path, rows, step=0):
+        (run / "val_generations").mkdir(parents=True, exist_ok=True)
+        (run / "val_generations" / f"{step}.jsonl").write_text("".join(
+            json.dumps({"input": i, "gts": g, "output": o, "step": step}) + "\n" for i, g, o in rows))
+
+    b, o = tmp_path / "b", tmp_path / "o"
+    rows = [("q", "red", "x"), ("q", "blue", "y"), ("q", "red", "z"), ("p", "red", "x")]
+    write(b, rows)
+    write(o, rows[::-1])
+    assert verl_report.greedy_agreement(b, o) == {"compared": 4, "equal": 4, "first_difference": None}
+    write(o, [("q", "red", "x"), ("q", "blue", "y"), ("q", "red", "x"), ("p", "red", "x")])  # one answer differs
+    g = verl_report.greedy_agreement(b, o)
+    assert g["equal"] == 3 and g["first_difference"] == {"index": 2, "input": "q", "builtin": "z", "ours": "x"}
+    write(o, [("q", "blue", "x"), ("q", "red", "x"), ("q", "red", "z"), ("p", "red", "x")])  # x given for blue
+    g = verl_report.greedy_agreement(b, o)
+    assert g["equal"] == 3 and g["first_difference"]["index"] == 1 and g["first_difference"]["ours"] == "x"
+    assert verl_report.last_common_validation(b, o) is None
+    write(b, rows, step=3)
+    write(b, rows, step=5)
+    write(o, rows, step=3)
+    assert verl_report.last_common_validation(b, o) == (3, "val_generations/3.jsonl")
+    assert verl_report.greedy_agreement(b, o, "val_generations/3.jsonl")["equal"] == 4

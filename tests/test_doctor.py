@@ -104,10 +104,13 @@ def test_sglang_plugin_line_says_whether_schedulers_will_load_it(monkeypatch):
     import importlib.metadata
 
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
-    assert doctor._sglang_plugin().startswith("registered (")
+    assert doctor._sglang_plugin().startswith("2 registered (")
     monkeypatch.setenv("SGLANG_PLUGINS", "other_plugin")
-    assert "leaves it out" in doctor._sglang_plugin()
+    assert doctor._sglang_plugin().count("leaves it out") == 2
     monkeypatch.setenv("SGLANG_PLUGINS", "other_plugin, sgl_rollout_qwen2_5_vl_vision_rope")
-    assert doctor._sglang_plugin().startswith("registered (")
+    line = doctor._sglang_plugin()
+    assert "sgl_rollout_qwen2_5_vl_vision_rope: loaded" in line and line.count("leaves it out") == 1
+    monkeypatch.setenv("SGLANG_PLUGINS", "sgl_rollout_qwen_vl_weight_names,sgl_rollout_qwen2_5_vl_vision_rope")
+    assert doctor._sglang_plugin().startswith("2 registered (")
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
     assert doctor._sglang_plugin().startswith("not registered (install this package with pip")

@@ -17,6 +17,7 @@ SGLang's per-request spans between two updates, see :func:`gen_breakdown`.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import re
@@ -589,17 +590,25 @@ def targets(builtin: dict, ours: dict, n_val: int) -> List[dict]:
 VAL_BEFORE_TRAINING = Path("val_generations") / "0.jsonl"
 
 
-def greedy_agreement(builtin_dir: Path, ours_dir: Path) -> Optional[dict]:
-    """How many of verl's greedy validation outputs before training (both sides on the checkpoint's
-    weights) are the same text on both sides, sample by sample in file order (both read the validation
-    file unshuffled); None unless both runs wrote :data:`VAL_BEFORE_TRAINING`.
+def greedy_agreement(builtin_dir: Path, ours_dir: Path, name: str = VAL_BEFORE_TRAINING) -> Optional[dict]:
+    """How many of verl's greedy validation outputs (``name``: before training by default, both sides on
+    the checkpoint's weights) are the same text on both sides; None unless both runs wrote it.
+
+    verl writes the samples in the order they finish, not in file order (seen on 2×H200: the shapes
+    task's ground truths came in different orders on the two sides), so samples are matched by prompt
+    and ground truth, not by line: ``equal`` is the size of the multiset intersection of
+    ``(input, gts, output)``. Where prompts repeat (the shapes task asks one question of different
+    pictures, which verl's dump does not name), equal counts still mean the two sides gave the same
+    answers to the same number of prompts of each ground truth.
 
     Returns:
-        ``{"compared": n, "equal": k, "first_difference": None or {"index", "input", "builtin", "ours"}}``
-        (texts cut to 300 characters).
+        ``{"compared": n, "equal": k, "first_difference": None or {"index", "input", "builtin", "ours"}}``:
+        ``n`` the smaller side's sample count; the first difference is the first built-in sample (by its
+        line ``index``) whose output the other side did not give as often for that prompt and ground
+        truth, with one such output of ours (None where ours has none left); texts cut to 300 characters.
     """
     def outputs(d: Path) -> Optional[List[dict]]:
-        path = Path(d) / VAL_BEFORE_TRAINING
+        path = Path(d) / name
         if not path.is_file():
             return None
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -607,12 +616,36 @@ def greedy_agreement(builtin_dir: Path, ours_dir: Path) -> Optional[dict]:
     b, o = outputs(builtin_dir), outputs(ours_dir)
     if b is None or o is None:
         return None
-    pairs = list(zip(b, o))
-    diff = next((i for i, (x, y) in enumerate(pairs) if x.get("output") != y.get("output")), None)
-    first = None if diff is None else {"index": diff, "input": str(b[diff].get("input"))[-300:],
-                                       "builtin": str(b[diff].get("output"))[:300], "ours": str(o[diff].get("output"))[:300]}
-    return {"compared": len(pairs), "equal": sum(x.get("output") == y.get("output") for x, y in pairs),
-            "first_difference": first}
+
+    def key(x: dict) -> Tuple[str, str]:
+        return str(x.get("input")), str(x.get("gts"))
+
+    count_b = collections.Counter((key(x), str(x.get("output"))) for x in b)
+    count_o = collections.Counter((key(x), str(x.get("output"))) for x in o)
+    first = None
+    for i, x in enumerate(b):
+        k = (key(x), str(x.get("output")))
+        if count_o[k] < count_b[k]:
+            theirs = next((str(y.get("output")) for y in o if key(y) == key(x)
+                           and count_o[(key(y), str(y.get("output")))] > count_b[(key(y), str(y.get("output")))]), None)
+            first = {"index": i, "input": str(x.get("input"))[-300:], "builtin": str(x.get("output"))[:300],
+                     "ours": None if theirs is None else theirs[:300]}
+            break
+    return {"compared": min(len(b), len(o)), "equal": sum((count_b & count_o).values()), "first_difference": first}
+
+
+def last_common_validation(builtin_dir: Path, ours_dir: Path) -> Optional[Tuple[int, str]]:
+    """``(step, relative path)`` of the last validation after training that both runs dumped
+    (``val_generations/<step>.jsonl``, step > 0), or None."""
+    def steps(d: Path) -> Set[int]:
+        folder = Path(d) / Path(VAL_BEFORE_TRAINING).parent
+        return {int(p.stem) for p in folder.glob("*.jsonl") if p.stem.isdigit() and int(p.stem) > 0}
+
+    common = steps(builtin_dir) & steps(ours_dir)
+    if not common:
+        return None
+    step = max(common)
+    return step, str(Path(VAL_BEFORE_TRAINING).parent / f"{step}.jsonl")
 
 
 def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None, n_val: int = 128) -> dict:
@@ -626,6 +659,10 @@ def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
         if all(s in runs for s in SIDES):
             entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
             entry["greedy_val"] = greedy_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
+            last = last_common_validation(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
+            if last is not None:
+                entry["greedy_val_last"] = {"step": last[0], **greedy_agreement(
+                    run_dirs[pair]["builtin"], run_dirs[pair]["ours"], last[1])}
         pairs.append(entry)
     comp = {"config": config or {}, "pairs": pairs}
     summary = across_pairs(comp)
@@ -794,7 +831,13 @@ def markdown(comparison: dict) -> str:
             lines.append(f"Greedy validation before training, same weights on both sides: {g['equal']} of "
                          f"{g['compared']} outputs the same text (`{VAL_BEFORE_TRAINING}`)"
                          + ("" if g["first_difference"] is None else f"; first difference at sample {g['first_difference']['index']}")
-                         + ".")
+                         + " (matched by prompt and ground truth: verl writes them as they finish)")
+            gl = entry.get("greedy_val_last")
+            if gl:
+                lines[-1] += (f"; after training, at step {gl['step']}: {gl['equal']} of {gl['compared']}"
+                              + ("" if gl["first_difference"] is None else
+                                 f", first difference at sample {gl['first_difference']['index']}"))
+            lines[-1] += "."
             lines.append("")
         lines += _peak_process_table(runs, cols)
         lines += _awake_lines(runs, cols)

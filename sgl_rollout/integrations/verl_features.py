@@ -52,12 +52,18 @@ FEATURES: List[Feature] = [
             note="CPU, and a 1,000-request stress (tests/test_partial_rollout.py); on an H100 an abort keeps "
                  "the tokens made and the continuation runs on the new weights (tests/gpu/test_partial_rollout_gpu.py)"),
     Feature("images (`image_data`)", True, True, "tests/gpu/test_vlm_gpu.py::test_image_greedy_equals_hugging_face",
-            note="H100, SGLang 0.5.12: tiny Qwen2.5-VL greedy == Hugging Face's; vision tower synced bit-exact "
-                 "(`test_vision_tower_synced_bit_exact_on_the_fast_path`); verl's client on CPU (`tests/test_multimodal.py`)"),
-    Feature("video (`video_data`, the processor-output dict verl sends SGLang)", True, True, _MM,
-            note="CPU; SGLang 0.5.12 only (0.5.10.post1's Qwen-VL processor fails such a request with a "
-                 "ValueError, read in its source); on an H100 0.5.12 gave the video the positions of text, which "
-                 "`patches/qwen_vl_processor_output.py` fixes (the fix has not run on a GPU yet)"),
+            note="H100 and H200, SGLang 0.5.12: tiny Qwen2.5-VL greedy == Hugging Face's; vision tower synced "
+                 "bit-exact (`test_vision_tower_synced_bit_exact_on_the_fast_path`); verl's GRPO, `bench verl --task "
+                 "shapes` on 2×H200: 3 steps each side, greedy validation 46 of 46 == the built-in's before training "
+                 "and after step 3; the built-in syncs a Qwen2.5-VL only with `patches/qwen_vl_weight_names.py` "
+                 "registered (verl 0.9.1 sends transformers 5's names)"),
+    Feature("video (`video_data`, the processor-output dict verl sends SGLang)", True, True,
+            "tests/gpu/test_vlm_gpu.py::test_video_output_depends_on_the_frames",
+            note="H200, SGLang 0.5.12 only (0.5.10.post1's Qwen-VL processor fails such a request with a "
+                 "ValueError, read in its source), with `patches/qwen_vl_processor_output.py` (SGLang gave the "
+                 "video the positions of text): one temporal patch == Hugging Face's greedy, two temporal patches "
+                 "change the answer with the frames (SGLang's vision tower attends across a video's patches, "
+                 "Hugging Face's does not); verl's client on CPU (`tests/test_multimodal.py`)"),
     Feature("audio (`audio_data`), per-request `mm_processor_kwargs`", False, False,
             "tests/test_multimodal.py::test_server_refuses_audio_and_per_request_processor_kwargs_before_sglang",
             note="refused per request (no config key selects it)"),
