@@ -42,12 +42,16 @@ def test_parquet_rows_hold_a_png_of_the_answers_colour(tmp_path):
         vlm.write_shapes_parquet(tmp_path / "none", n_train=0)
 
 
-@pytest.mark.parametrize("text, gt, acc", [
-    ("Red.", "red", 1.0), ("The shape is blue", "blue", 1.0), ("green, no, red", "red", 0.0),
-    ("grey", "red", 0.0), ("", "blue", 0.0),
+@pytest.mark.parametrize("text, gt, acc, score", [
+    ("Red.", "red", 1.0, 1.0), ("The shape is blue", "blue", 1.0, 1.0),
+    ("green, no, red", "red", 0.0, 0.5 * 2 / 3),  # "green, n" holds r and e of "red": partial credit only
+    ("grey", "red", 0.0, 0.5 * 2 / 3), ("", "blue", 0.0, 0.0), ("\x07zq#", "green", 0.0, 0.0),
+    ("xxxxxxxxred", "red", 1.0, 1.0),  # named after the head: full credit all the same
+    ("xxxxxxxxrd", "red", 0.0, 0.0),  # letters after the head earn nothing
 ])
-def test_shapes_score(text, gt, acc):
-    assert vlm.shapes_score(vlm.SHAPES_SOURCE, text, gt) == {"score": acc, "acc": acc}
+def test_shapes_score(text, gt, acc, score):
+    got = vlm.shapes_score(vlm.SHAPES_SOURCE, text, gt)
+    assert got["acc"] == acc and got["score"] == pytest.approx(score)
     with pytest.raises(ValueError, match="scores"):
         vlm.shapes_score("openai/gsm8k", text, gt)
 

@@ -200,12 +200,23 @@ def write_shapes_parquet(data_dir: os.PathLike, n_train: int = 512, n_val: int =
     return paths[0], paths[1]
 
 
+#: Characters at the head of an answer that earn the shapes task's partial credit.
+PARTIAL_HEAD = 8
+
+
 def shapes_score(data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict:
-    """verl's custom reward function of the shapes task (``reward.custom_reward_function``): 1 when the
-    first colour name in the answer is the shape's colour, else 0.
+    """verl's custom reward function of the shapes task (``reward.custom_reward_function``).
+
+    ``acc`` is 1 when the first colour name in the answer is the shape's colour, else 0. ``score`` (the
+    reward) is ``acc`` where it is 1, else half the share of the colour name's distinct letters found
+    among the answer's first :data:`PARTIAL_HEAD` characters: a model with random weights never names the
+    colour, and with a 0/1 reward every GRPO advantage would be 0 and its weights would never move
+    (seen: ``actor/grad_norm`` 0.0 at every step of the first GPU run); the partial credit differs from
+    sample to sample, so training changes the weights, the vision tower's included, and the syncs after
+    it carry new values.
 
     Returns:
-        ``{"score": float, "acc": float}`` (both 0.0 or 1.0).
+        ``{"score": float in [0, 1], "acc": 0.0 or 1.0}``.
 
     Raises:
         ValueError: a row of another task (``data_source`` not :data:`SHAPES_SOURCE`).
@@ -214,9 +225,12 @@ def shapes_score(data_source: str, solution_str: str, ground_truth, extra_info=N
 
     if data_source != SHAPES_SOURCE:
         raise ValueError(f"shapes_score scores {SHAPES_SOURCE!r} rows, got {data_source!r}")
-    found = re.search("|".join(COLORS), solution_str.lower())
-    acc = float(found is not None and found.group(0) == str(ground_truth).strip().lower())
-    return {"score": acc, "acc": acc}
+    answer, colour = solution_str.lower(), str(ground_truth).strip().lower()
+    found = re.search("|".join(COLORS), answer)
+    acc = float(found is not None and found.group(0) == colour)
+    letters = set(colour)
+    partial = len(letters & set(answer[:PARTIAL_HEAD])) / len(letters) if letters else 0.0
+    return {"score": acc if acc else 0.5 * partial, "acc": acc}
 
 
 #: The overrides the shapes task puts over the arithmetic task's (:func:`sgl_rollout.workloads.grpo_overrides`);
