@@ -626,6 +626,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "GPUs each on this host (one raylet per node, its own CUDA_VISIBLE_DEVICES)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--sides", default="builtin,ours", help="which sides to run (default both)")
+    p.add_argument("--at-once", action="store_true",
+                   help="run the two sides of a pair at the same time, the built-in on the first --ngpus GPUs of "
+                        "this host and sgl-rollout on the next --ngpus (CUDA_VISIBLE_DEVICES each; each side starts "
+                        "its own Ray cluster and counts only its own GPUs' memory): half the time on twice the GPUs, "
+                        "sharing the host's CPUs")
     p.add_argument("--fast-sync", action=argparse.BooleanOptionalAction, default=None,
                    help="sgl-rollout's side syncs weights on the fast path (the default; this adds "
                    f"{FAST_SYNC_OVERRIDE}); --no-fast-sync: in SGLang's flattened buckets")
@@ -667,6 +672,21 @@ def check_trainer(trainer: str, ngpus: int, rollout_gpus: int, nnodes: int) -> N
         raise SetupError(str(exc)) from None
     if trainer != "sync" and nnodes > 1:
         raise SetupError(f"--trainer {trainer} runs on one node here; --nnodes {nnodes} is for --trainer sync")
+
+
+def check_at_once(at_once: bool, sides: List[str], nnodes: int) -> None:
+    """Refuse ``--at-once`` where it cannot run, before anything starts.
+
+    Raises:
+        SetupError: ``--at-once`` without both sides, or with more than one node (the sides' GPUs are
+            split on this host only).
+    """
+    if not at_once:
+        return
+    if sorted(sides) != ["builtin", "ours"]:
+        raise SetupError(f"--at-once runs both sides at the same time; --sides is {','.join(sides)}")
+    if nnodes > 1:
+        raise SetupError("--at-once splits this host's GPUs between the sides; it runs with --nnodes 1")
 
 
 def check_nodes(nnodes: int, simulate: bool, environ: Optional[Dict[str, str]] = None) -> None:
@@ -757,32 +777,77 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
     return model_dir
 
 
+def split_devices(n_each: int, environ: Optional[Dict[str, str]] = None, count: Optional[int] = None) -> Tuple[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the two sides of an ``--at-once`` pair: the first ``n_each`` GPUs this
+    process may use for the built-in, the next ``n_each`` for sgl-rollout (from ``CUDA_VISIBLE_DEVICES``
+    where it is set, else GPUs ``0 .. count - 1``, ``count`` torch's device count by default).
+
+    Raises:
+        SetupError: fewer than ``2 * n_each`` GPUs.
+    """
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        if count is None:
+            import torch
+
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = [str(i) for i in range(count)]
+    if len(devices) < 2 * n_each:
+        raise SetupError(f"--at-once runs both sides on GPUs of their own: {2 * n_each} needed, {len(devices)} visible")
+    return ",".join(devices[:n_each]), ",".join(devices[n_each:2 * n_each])
+
+
+def _run_one(args, out: Path, pair: int, side: str, run_dir: Path, model_dir: Path, env: Dict[str, str],
+             worker_env: Dict[str, str], devices: Optional[str] = None) -> bool:
+    """Run one side of one pair (on ``devices``, a ``CUDA_VISIBLE_DEVICES``, where given); True if it failed."""
+    from . import verl_report
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = run_dir / "data"
+    if not data.exists():
+        data.symlink_to(out / "data", target_is_directory=True)
+    cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps, args.gpu_memory_utilization,
+                       args.overrides, fast_sync=args.fast_sync, task=args.task, nnodes=args.nnodes,
+                       worker_env=worker_env, trainer=args.trainer, rollout_gpus=args.rollout_gpus)
+    side_env_ = {**side_env(side, run_dir), **env, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
+    where = f" on GPUs {devices}" if devices else ""
+    print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running{where} (log {run_dir / 'train.log'})",
+          flush=True)
+    info = run_side(side, pair, cmd, side_env_, run_dir, args.steps, args.timeout_s,
+                    sampler_factory=lambda: NvmlSampler(environ=side_env_))
+    summary = verl_report.summarize_run(run_dir)
+    sync_key = SYNC_KEYS[args.trainer]
+    upd = summary["metrics"].get(sync_key, {}).get("median")
+    print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: exit {info['exit_code']} after "
+          f"{info['wall_s']} s, {summary['steps']} steps, {sync_key} median "
+          f"{'n/a' if upd is None else f'{upd:.3f} s'}", flush=True)
+    return summary["status"] != "ok"
+
+
 def _run_pairs(args, out: Path, run_dirs, orders, config: dict, model_dir: Path, n_val: int,
                env: Dict[str, str], worker_env: Dict[str, str]) -> bool:
-    """Run every side of every pair in turn, re-writing the report after each; True if one failed."""
+    """Run every side of every pair, in turn or (``args.at_once``) both sides of a pair at the same time
+    on GPUs of their own (:func:`split_devices`); re-write the report after each run or pair. True if a
+    run failed."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from . import verl_report
 
     failed = False
+    devices = dict(zip(("builtin", "ours"), split_devices(args.ngpus))) if getattr(args, "at_once", False) else None
     for pair, dirs in run_dirs.items():
+        if devices:
+            with ThreadPoolExecutor(max_workers=len(dirs)) as pool:
+                jobs = [pool.submit(_run_one, args, out, pair, side, run_dir, model_dir, env, worker_env, devices[side])
+                        for side, run_dir in dirs.items()]
+                failed |= any([job.result() for job in jobs])
+            verl_report.write_report(out, run_dirs, config, n_val, orders)
+            continue
         for side, run_dir in dirs.items():
-            run_dir.mkdir(parents=True, exist_ok=True)
-            data = run_dir / "data"
-            if not data.exists():
-                data.symlink_to(out / "data", target_is_directory=True)
-            cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps,
-                               args.gpu_memory_utilization, args.overrides, fast_sync=args.fast_sync, task=args.task,
-                               nnodes=args.nnodes, worker_env=worker_env, trainer=args.trainer,
-                               rollout_gpus=args.rollout_gpus)
-            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running (log {run_dir / 'train.log'})",
-                  flush=True)
-            info = run_side(side, pair, cmd, {**side_env(side, run_dir), **env}, run_dir, args.steps, args.timeout_s)
-            summary = verl_report.summarize_run(run_dir)
-            failed |= summary["status"] != "ok"
-            sync_key = SYNC_KEYS[args.trainer]
-            upd = summary["metrics"].get(sync_key, {}).get("median")
-            print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: exit {info['exit_code']} after "
-                  f"{info['wall_s']} s, {summary['steps']} steps, {sync_key} median "
-                  f"{'n/a' if upd is None else f'{upd:.3f} s'}", flush=True)
+            failed |= _run_one(args, out, pair, side, run_dir, model_dir, env, worker_env)
             verl_report.write_report(out, run_dirs, config, n_val, orders)  # after every run: a cut-off run keeps its report
     return failed
 
@@ -810,7 +875,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_nodes(args.nnodes, args.simulate_nodes)
         check_trainer(args.trainer, args.ngpus, args.rollout_gpus, args.nnodes)
-        preflight(args.ngpus * (args.nnodes if args.simulate_nodes else 1))
+        check_at_once(args.at_once, sides, args.nnodes)
+        preflight(args.ngpus * (args.nnodes if args.simulate_nodes else 1) * (2 if args.at_once else 1))
+        if args.at_once:
+            split_devices(args.ngpus)
         check_installed_copy()  # both sides: every Ray worker imports the probe (and ours the rollout) from it
         model_dir = prepare_task(args, out, n_val)
     except SetupError as exc:
@@ -826,6 +894,7 @@ def main(args: argparse.Namespace) -> int:
         "simulated_nodes": bool(args.simulate_nodes and args.nnodes > 1), "trainer": args.trainer,
         "rollout_gpus": args.rollout_gpus if args.trainer != "sync" else None,
         "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": _effective_fast_sync(args.fast_sync),
+        "at_once": bool(args.at_once),
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),

@@ -782,6 +782,26 @@ def update_verdict(builtin: dict, ours: dict) -> Optional[str]:
                    f"{ms['o_rollout']:.0f} ms, {ms['o_rollout'] - room:.0f} ms over.")
 
 
+def _greedy_lines(entry: dict) -> List[str]:
+    """The report's line on greedy validation equality (:func:`greedy_agreement`), and a blank line; none
+    where neither run dumped its validation."""
+    lines: List[str] = []
+    g = entry.get("greedy_val")
+    if g:
+        lines.append(f"Greedy validation before training, same weights on both sides: {g['equal']} of "
+                     f"{g['compared']} outputs the same text (`{VAL_BEFORE_TRAINING}`)"
+                     + ("" if g["first_difference"] is None else f"; first difference at sample {g['first_difference']['index']}")
+                     + " (matched by prompt and ground truth: verl writes them as they finish)")
+        gl = entry.get("greedy_val_last")
+        if gl:
+            lines[-1] += (f"; after training, at step {gl['step']}: {gl['equal']} of {gl['compared']}"
+                          + ("" if gl["first_difference"] is None else
+                             f", first difference at sample {gl['first_difference']['index']}"))
+        lines[-1] += "."
+        lines.append("")
+    return lines
+
+
 def markdown(comparison: dict) -> str:
     """The report: with two or more pairs first the targets over all of them (:func:`across_pairs`);
     then per pair, verl's metrics (median / p90 over steps after the first) side by side, the targets,
@@ -801,7 +821,9 @@ def markdown(comparison: dict) -> str:
     for entry in comparison.get("pairs", []):
         runs = entry["runs"]
         order = " then ".join(SIDE_LABELS[s] for s in entry.get("order", SIDES) if s in runs)
-        lines.append(f"## Pair {entry['pair']}" + (f" (run {order})" if order else ""))
+        if cfg.get("at_once") and len(runs) == 2:
+            order = "both sides at once, each on GPUs of its own"
+        lines.append(f"## Pair {entry['pair']}" + (f" ({'' if cfg.get('at_once') else 'run '}{order})" if order else ""))
         lines.append("")
         cols = [s for s in SIDES if s in runs]
         lines.append("| metric | " + " | ".join(f"{SIDE_LABELS[s]}: median / p90" for s in cols)
@@ -826,19 +848,7 @@ def markdown(comparison: dict) -> str:
         va = [f"{_f(_first(runs[s]['val_acc']))} -> {_f(_last(runs[s]['val_acc']))}" for s in cols]
         lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
         lines.append("")
-        g = entry.get("greedy_val")
-        if g:
-            lines.append(f"Greedy validation before training, same weights on both sides: {g['equal']} of "
-                         f"{g['compared']} outputs the same text (`{VAL_BEFORE_TRAINING}`)"
-                         + ("" if g["first_difference"] is None else f"; first difference at sample {g['first_difference']['index']}")
-                         + " (matched by prompt and ground truth: verl writes them as they finish)")
-            gl = entry.get("greedy_val_last")
-            if gl:
-                lines[-1] += (f"; after training, at step {gl['step']}: {gl['equal']} of {gl['compared']}"
-                              + ("" if gl["first_difference"] is None else
-                                 f", first difference at sample {gl['first_difference']['index']}"))
-            lines[-1] += "."
-            lines.append("")
+        lines += _greedy_lines(entry)
         lines += _peak_process_table(runs, cols)
         lines += _awake_lines(runs, cols)
         lines += _memory_table(runs, cols)
