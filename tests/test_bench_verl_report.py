@@ -589,7 +589,7 @@ def test_greedy_validation_before_training_is_compared_sample_by_sample(tmp_path
 
 
 def test_greedy_validation_is_matched_by_prompt_and_ground_truth_not_by_line(tmp_path):
-    """verl dumps the samples as they finish: the same answers in another order are all equal; where one
+    """verl orders its dump by random uids: the same answers in another order are all equal; where one
     prompt is asked of several pictures, answers count per prompt and ground truth; the last validation
     both runs dumped after training is compared too."""
     def write(run: Path, rows, step=0):

@@ -594,8 +594,9 @@ def greedy_agreement(builtin_dir: Path, ours_dir: Path, name: str = VAL_BEFORE_T
     """How many of verl's greedy validation outputs (``name``: before training by default, both sides on
     the checkpoint's weights) are the same text on both sides; None unless both runs wrote it.
 
-    verl writes the samples in the order they finish, not in file order (seen on 2×H200: the shapes
-    task's ground truths came in different orders on the two sides), so samples are matched by prompt
+    verl orders its dump by each sample's uid, a fresh ``uuid4`` per run (``_validate``,
+    ``verl/trainer/ppo/v1/trainer_base.py``), not by the file's order (seen on 2×H200: the shapes task's
+    ground truths came in different orders on the two sides), so samples are matched by prompt
     and ground truth, not by line: ``equal`` is the size of the multiset intersection of
     ``(input, gts, output)``. Where prompts repeat (the shapes task asks one question of different
     pictures, which verl's dump does not name), equal counts still mean the two sides gave the same
@@ -791,7 +792,7 @@ def _greedy_lines(entry: dict) -> List[str]:
         lines.append(f"Greedy validation before training, same weights on both sides: {g['equal']} of "
                      f"{g['compared']} outputs the same text (`{VAL_BEFORE_TRAINING}`)"
                      + ("" if g["first_difference"] is None else f"; first difference at sample {g['first_difference']['index']}")
-                     + " (matched by prompt and ground truth: verl writes them as they finish)")
+                     + " (matched by prompt and ground truth: verl orders them by random uids)")
         gl = entry.get("greedy_val_last")
         if gl:
             lines[-1] += (f"; after training, at step {gl['step']}: {gl['equal']} of {gl['compared']}"
