@@ -5,6 +5,7 @@ server (``VerlRolloutServer`` on the engine double), each turn on the whole conv
 turns masked out; the side commands compose with the registry file."""
 
 import asyncio
+import json
 import os
 import types
 
@@ -82,7 +83,26 @@ def _config(tmp_path, model_dir, loops):
         return compose(config_name="ppo_trainer", overrides=overrides)
 
 
-def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_path, plain_requests):
+def test_greedy_episodes_are_logged_only_where_asked_and_only_greedy(tmp_path):
+    env = {agent_task.TURNS_DIR_ENV: str(tmp_path / "turns")}
+    assert not agent_task.log_greedy_episode([1, 2], [[3]], {"temperature": 0.0}, environ={})
+    assert not agent_task.log_greedy_episode([1, 2], [[3]], {"temperature": 0.7}, environ=env)
+    assert agent_task.log_greedy_episode([1, 2], [[3], [4, 5]], {"temperature": 0}, environ=env)
+    (line,) = (tmp_path / "turns" / f"turns-{os.getpid()}.jsonl").read_text().splitlines()
+    row = json.loads(line)
+    assert row["prompt"] == [1, 2] and row["turns"] == [[3], [4, 5]] and row["t"] > 0
+    assert not agent_task.log_greedy_episode([1], [[2]], {"temperature": 0}, environ={
+        agent_task.TURNS_DIR_ENV: str(tmp_path / "turns" / f"turns-{os.getpid()}.jsonl")})  # not a folder: no raise
+
+
+def test_the_tools_side_command_tells_the_workers_where_to_log_turns(tmp_path):
+    cmd = verl_compare.side_command("ours", tmp_path / "m", tmp_path / "run", 1, 1, 4, 0.5, python="python",
+                                    task="tools")
+    cfg = trainer_config(cmd[3:])
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars[agent_task.TURNS_DIR_ENV] == str(tmp_path / "run" / "turns")
+
+
+def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_path, plain_requests, monkeypatch):
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.protocol import DataProto
 
@@ -108,8 +128,14 @@ def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_pa
         finally:
             await srv.shutdown()
 
+    monkeypatch.setenv(agent_task.TURNS_DIR_ENV, str(tmp_path / "turns"))
     out, requests = asyncio.run(body())
     assert out.non_tensor_batch["__num_turns__"].tolist() == [1 + agent_task.TURNS + (agent_task.TURNS - 1)]
+    (logged,) = [json.loads(ln) for f in (tmp_path / "turns").glob("*.jsonl") for ln in f.read_text().splitlines()]
+    assert len(logged["turns"]) == agent_task.TURNS
+    assert tok.decode(logged["turns"][0]) == "12 + 30 = 42. Answer: 42<|im_end|>"
+    assert tok.decode(logged["turns"][-1]) == "Answer: 42<|im_end|>"
+    assert logged["prompt"] == requests[0]["input_ids"][0]  # the turns' token ids, after the prompt verl built
     ids, mask = out.batch["responses"][0].tolist(), out.batch["response_mask"][0].tolist()
     n = sum(out.batch["attention_mask"][0, -len(ids):].tolist())
     text_by_mask = []

@@ -614,3 +614,26 @@ def test_greedy_validation_is_matched_by_prompt_and_ground_truth_not_by_line(tmp
     write(o, rows, step=3)
     assert verl_report.last_common_validation(b, o) == (3, "val_generations/3.jsonl")
     assert verl_report.greedy_agreement(b, o, "val_generations/3.jsonl")["equal"] == 4
+
+
+def test_tool_turns_are_compared_token_by_token_per_prompt(tmp_path):
+    """Each side's first greedy episode of each prompt (earliest ``t``: the validation before training),
+    compared turn by turn; the report's line says how many were equal and where the first difference is."""
+    def log(run: Path, rows):
+        (run / "turns").mkdir(parents=True, exist_ok=True)
+        with open(run / "turns" / "turns-1.jsonl", "a") as f:
+            for t, prompt, turns in rows:
+                f.write(json.dumps({"t": t, "prompt": prompt, "turns": turns}) + "\n")
+
+    b, o = tmp_path / "b", tmp_path / "o"
+    assert verl_report.turn_agreement(b, o) is None
+    log(b, [(2.0, [1], [[5, 6], [7]]), (1.0, [2], [[8], [9, 9]]), (9.0, [1], [[0]])])  # t=9: after training
+    log(o, [(1.5, [2], [[8], [9, 9]]), (2.5, [1], [[5, 6], [7]]), (3.0, [3], [[1]])])
+    got = verl_report.turn_agreement(b, o)
+    assert got == {"episodes": 2, "equal": 2, "turns": 4, "tokens": 6, "one_side_only": 1, "first_difference": None}
+    log(o, [(0.5, [2], [[8], [9, 4, 4]])])  # earlier: now ours' first episode of prompt [2]
+    got = verl_report.turn_agreement(b, o)
+    assert got["equal"] == 1 and got["first_difference"] == {
+        "prompt_tail": [2], "turn": 1, "token": 1, "builtin": [9], "ours": [4, 4]}
+    md = verl_report._greedy_lines({"tool_turns": got})[0]
+    assert "1 of 2 episodes equal in every turn" in md and "first difference in turn 1 at token 1" in md

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import List, Tuple
 from uuid import uuid4
@@ -30,12 +31,34 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 LOOP_NAME = "sgl_rollout_tool_turns"
 #: Assistant turns per episode.
 TURNS = 3
+#: Environment variable naming the folder where each process of the loop logs its greedy episodes'
+#: token ids (:func:`log_greedy_episode`); ``bench verl --task tools`` sets it in verl's workers.
+TURNS_DIR_ENV = "SGL_ROLLOUT_TURNS_DIR"
 
 
 def text_stats(text: str) -> str:
     """The tool: a JSON object with the words, digits and characters of ``text`` (a deterministic answer
     that depends on what the model wrote)."""
     return json.dumps({"words": len(text.split()), "digits": len(re.findall(r"\d", text)), "chars": len(text)})
+
+
+def log_greedy_episode(prompt: List[int], turns: List[List[int]], sampling_params: dict, environ=None) -> bool:
+    """Append one greedy episode (``temperature`` 0: verl's validation) as a JSON line ``{"t", "prompt",
+    "turns"}`` (wall-clock seconds, the prompt's token ids, each assistant turn's token ids) to
+    ``$SGL_ROLLOUT_TURNS_DIR/turns-<pid>.jsonl``; the report compares the two sides' turns token by token
+    (:func:`sgl_rollout.bench.verl_report.turn_agreement`). Returns whether it wrote; nothing without the
+    variable or for a sampled episode, and never raises (a lost line costs the comparison, not the run)."""
+    environ = os.environ if environ is None else environ
+    folder = environ.get(TURNS_DIR_ENV)
+    if not folder or float(sampling_params.get("temperature", 1.0) or 0.0) != 0.0:
+        return False
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"turns-{os.getpid()}.jsonl"), "a") as f:
+            f.write(json.dumps({"t": time.time(), "prompt": list(prompt), "turns": turns}) + "\n")
+    except OSError:
+        return False
+    return True
 
 
 def tool_turn(result: str) -> str:
@@ -59,9 +82,11 @@ class ToolTurnsLoop(AgentLoopBase):
         mask: List[int] = []
         logprobs: List[float] = []
         turns = 1
+        said: List[List[int]] = []
         for turn in range(TURNS):
             out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt + ids,
                                                      sampling_params=sampling_params)
+            said.append([int(t) for t in out.token_ids])
             ids += list(out.token_ids)
             mask += [1] * len(out.token_ids)
             logprobs += list(out.log_probs) if out.log_probs else [0.0] * len(out.token_ids)
@@ -74,6 +99,7 @@ class ToolTurnsLoop(AgentLoopBase):
             mask += [0] * len(tool)
             logprobs += [0.0] * len(tool)
             turns += 1
+        log_greedy_episode(prompt, said, sampling_params)
         return AgentLoopOutput(prompt_ids=prompt, response_ids=ids[:budget], response_mask=mask[:budget],
                                response_logprobs=logprobs[:budget], num_turns=turns, metrics={})
 

@@ -394,9 +394,10 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
 
         overrides = with_overrides(overrides, SHAPES_OVERRIDES)
     elif task == "tools":
-        from .agent_task import tools_overrides
+        from .agent_task import TURNS_DIR_ENV, tools_overrides
 
         overrides = with_overrides(overrides, tools_overrides(Path(run_dir) / "data" / "agent_loops.yaml"))
+        worker_env = {**(worker_env or {}), TURNS_DIR_ENV: str(Path(run_dir) / "turns")}
     overrides = with_overrides(overrides, trainer_overrides(
         trainer, roll_gpus, steps, int(override_value(overrides, "actor_rollout_ref.actor.ppo_mini_batch_size")),
         int(override_value(overrides, "actor_rollout_ref.rollout.n"))))

@@ -635,6 +635,52 @@ def greedy_agreement(builtin_dir: Path, ours_dir: Path, name: str = VAL_BEFORE_T
     return {"compared": min(len(b), len(o)), "equal": sum((count_b & count_o).values()), "first_difference": first}
 
 
+def _first_greedy_episodes(run_dir: Path) -> Optional[Dict[Tuple[int, ...], List[List[int]]]]:
+    """``{prompt ids: turns' token ids}`` of the first greedy episode of each prompt in ``run_dir/turns``
+    (:func:`sgl_rollout.bench.agent_task.log_greedy_episode`, earliest first: the validation before
+    training); None where the run logged none."""
+    files = sorted((Path(run_dir) / "turns").glob("*.jsonl"))
+    rows = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    first: Dict[Tuple[int, ...], List[List[int]]] = {}
+    for row in sorted(rows, key=lambda r: r.get("t", 0.0)):
+        first.setdefault(tuple(row["prompt"]), row["turns"])
+    return first
+
+
+def turn_agreement(builtin_dir: Path, ours_dir: Path) -> Optional[dict]:
+    """The tools task's greedy episodes compared token id by token id, turn by turn, prompt by prompt
+    (each side's first episode of each prompt); None unless both runs logged episodes.
+
+    Returns:
+        ``{"episodes": prompts both sides ran, "equal": episodes equal in every turn, "turns": turns
+        compared, "tokens": token ids compared (both sides' turns, position by position up to the shorter),
+        "one_side_only": prompts only one side ran, "first_difference": None or {"prompt_tail", "turn",
+        "token", "builtin", "ours"}}`` (the first differing turn's ids from the first difference on, 8 each).
+    """
+    b, o = _first_greedy_episodes(builtin_dir), _first_greedy_episodes(ours_dir)
+    if b is None or o is None:
+        return None
+    common = [p for p in b if p in o]
+    equal = turns = tokens = 0
+    first = None
+    for prompt in common:
+        tb, to = b[prompt], o[prompt]
+        turns += max(len(tb), len(to))
+        tokens += sum(min(len(x), len(y)) for x, y in zip(tb, to))
+        if tb == to:
+            equal += 1
+            continue
+        if first is None:
+            turn = next(i for i in range(max(len(tb), len(to))) if i >= min(len(tb), len(to)) or tb[i] != to[i])
+            x, y = (tb[turn] if turn < len(tb) else []), (to[turn] if turn < len(to) else [])
+            k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+            first = {"prompt_tail": list(prompt[-8:]), "turn": turn, "token": k, "builtin": x[k:k + 8], "ours": y[k:k + 8]}
+    return {"episodes": len(common), "equal": equal, "turns": turns, "tokens": tokens,
+            "one_side_only": len(set(b) ^ set(o)), "first_difference": first}
+
+
 def last_common_validation(builtin_dir: Path, ours_dir: Path) -> Optional[Tuple[int, str]]:
     """``(step, relative path)`` of the last validation after training that both runs dumped
     (``val_generations/<step>.jsonl``, step > 0), or None."""
@@ -660,6 +706,7 @@ def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
         if all(s in runs for s in SIDES):
             entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
             entry["greedy_val"] = greedy_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
+            entry["tool_turns"] = turn_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
             last = last_common_validation(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
             if last is not None:
                 entry["greedy_val_last"] = {"step": last[0], **greedy_agreement(
@@ -784,8 +831,8 @@ def update_verdict(builtin: dict, ours: dict) -> Optional[str]:
 
 
 def _greedy_lines(entry: dict) -> List[str]:
-    """The report's line on greedy validation equality (:func:`greedy_agreement`), and a blank line; none
-    where neither run dumped its validation."""
+    """The report's lines on greedy equality: verl's validation dump (:func:`greedy_agreement`) and the
+    tools task's turns (:func:`turn_agreement`), each with a blank line; none where the runs left neither."""
     lines: List[str] = []
     g = entry.get("greedy_val")
     if g:
@@ -799,6 +846,15 @@ def _greedy_lines(entry: dict) -> List[str]:
                           + ("" if gl["first_difference"] is None else
                              f", first difference at sample {gl['first_difference']['index']}"))
         lines[-1] += "."
+        lines.append("")
+    t = entry.get("tool_turns")
+    if t:
+        lines.append(f"Tool turns, greedy, token ids (each side's first episode of each prompt, `turns/`): {t['equal']} "
+                     f"of {t['episodes']} episodes equal in every turn ({t['turns']} turns, {t['tokens']} token ids "
+                     "compared)" + (f"; {t['one_side_only']} prompts ran on one side only" if t["one_side_only"] else "")
+                     + ("" if t["first_difference"] is None else
+                        f"; first difference in turn {t['first_difference']['turn']} at token {t['first_difference']['token']}")
+                     + ".")
         lines.append("")
     return lines
 
