@@ -813,12 +813,12 @@ def _run_one(args, out: Path, pair: int, side: str, run_dir: Path, model_dir: Pa
     cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps, args.gpu_memory_utilization,
                        args.overrides, fast_sync=args.fast_sync, task=args.task, nnodes=args.nnodes,
                        worker_env=worker_env, trainer=args.trainer, rollout_gpus=args.rollout_gpus)
-    side_env_ = {**side_env(side, run_dir), **env, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
+    run_env = {**side_env(side, run_dir), **env, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
     where = f" on GPUs {devices}" if devices else ""
     print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running{where} (log {run_dir / 'train.log'})",
           flush=True)
-    info = run_side(side, pair, cmd, side_env_, run_dir, args.steps, args.timeout_s,
-                    sampler_factory=lambda: NvmlSampler(environ=side_env_))
+    info = run_side(side, pair, cmd, run_env, run_dir, args.steps, args.timeout_s,
+                    sampler_factory=lambda: NvmlSampler(environ=run_env))
     summary = verl_report.summarize_run(run_dir)
     sync_key = SYNC_KEYS[args.trainer]
     upd = summary["metrics"].get(sync_key, {}).get("median")
