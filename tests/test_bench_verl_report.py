@@ -637,3 +637,20 @@ def test_tool_turns_are_compared_token_by_token_per_prompt(tmp_path):
         "prompt_tail": [2], "turn": 1, "token": 1, "builtin": [9], "ours": [4, 4]}
     md = verl_report._greedy_lines({"tool_turns": got})[0]
     assert "1 of 2 episodes equal in every turn" in md and "first difference in turn 1 at token 1" in md
+
+
+def test_checkpoint_engine_steps_are_summarized_after_each_processs_first_call():
+    spans = [{"name": "ckpt.build_group", "t0": 0.0, "dt": 2.0, "pid": 1},  # first call: group set-up
+             {"name": "ckpt.build_group", "t0": 1.0, "dt": 0.010, "pid": 1},
+             {"name": "ckpt.build_group", "t0": 2.0, "dt": 0.030, "pid": 1},
+             {"name": "ckpt.send", "t0": 0.0, "dt": 0.5, "pid": 2}, {"name": "ckpt.send", "t0": 1.0, "dt": 0.1, "pid": 2},
+             {"name": "ckpt.send", "t0": 0.0, "dt": 0.7, "pid": 3}, {"name": "ckpt.send", "t0": 1.0, "dt": 0.3, "pid": 3},
+             {"name": "ckpt.finalize", "t0": 0.0, "dt": 0.1, "pid": 2},  # once only: left out
+             {"name": "verl.update_weights", "t0": 0.0, "dt": 1.0, "pid": 2}]
+    got = verl_report.ckpt_phases(spans)
+    assert set(got) == {"ckpt.build_group", "ckpt.send"}
+    assert got["ckpt.build_group"]["median_ms"] == pytest.approx(20.0) and got["ckpt.build_group"]["n"] == 2
+    assert got["ckpt.send"]["median_ms"] == pytest.approx(200.0) and got["ckpt.send"]["processes"] == 2
+    lines = verl_report._ckpt_lines({"builtin": {"ckpt_phases": got}, "ours": {"ckpt_phases": {}}})
+    assert "| `ckpt.send` | 200.0 (n=2) | n/a |" in lines
+    assert verl_report._ckpt_lines({"builtin": {}, "ours": {}}) == []

@@ -545,6 +545,21 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("verl.workers.rollout.llm_server", "LLMServerClient._acquire_server", dict(name="verl.acquire_server")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.sample", dict(name="verl.replay_buffer.sample")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer._wait_for_next_poll", dict(name="verl.replay_buffer.poll")),
+    # verl's checkpoint engine (standalone replicas, the asynchronous trainers; issue 39: where
+    # timing_s/sync_rollout_weights goes): the driver's steps around a sync
+    # (CheckpointEngineManager.update_weights, verl/checkpoint_engine/base.py), the rollout worker's
+    # receive-and-load, and each transport backend's calls on both sides
+    *[("verl.checkpoint_engine.base", f"CheckpointEngineManager.{method}", dict(name=f"ckpt.{name}"))
+      for method, name in (("abort_replicas", "abort"), ("release_kv_cache_replicas", "release_kv"),
+                           ("build_process_group", "build_group"), ("resume_kv_cache_replicas", "resume_kv"),
+                           ("resume_generation_replicas", "resume_generation"))],
+    ("verl.checkpoint_engine.base", "CheckpointEngineWorker.update_weights", dict(name="ckpt.rollout_update")),
+    *[(module, f"{cls}.{method}", how)
+      for module, cls in (("verl.checkpoint_engine.nccl_checkpoint_engine", "NCCLCheckpointEngine"),
+                          ("verl.checkpoint_engine.nixl_checkpoint_engine", "NIXLCheckpointEngine"))
+      for method, how in (("prepare", dict(name="ckpt.prepare")), ("init_process_group", dict(name="ckpt.init_group")),
+                          ("send_weights", dict(name="ckpt.send")), ("receive_weights", {"agen": "ckpt.receive"}),
+                          ("finalize", dict(name="ckpt.finalize")))],
 ]
 
 

@@ -25,7 +25,7 @@ import statistics
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..workloads import SCORE_KEY, load_metrics, metric_value, val_accuracy
 from .verl_trainers import ASYNC_KEYS
@@ -441,6 +441,28 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     out["gen_phase_order"] = list(dict.fromkeys(label for phases in gen.values() for name, _s, kids in phases
                                                  for label in [name] + [f"{name} / {k}" for k in kids]))
     out["gen_phases"] = _phase_stats(_collect_phases(gen))
+    out["ckpt_phases"] = ckpt_phases(spans)
+    return out
+
+
+#: Span-name prefix of verl's checkpoint-engine steps (:data:`.verl_probe.TARGETS`).
+CKPT_PREFIX = "ckpt."
+
+
+def ckpt_phases(spans: List[dict]) -> Dict[str, dict]:
+    """verl's checkpoint-engine steps of a run (standalone replicas, the asynchronous trainers): for each
+    ``ckpt.*`` span name, ``{"median_ms", "p90_ms", "n", "processes"}`` over its calls after each
+    process's first (the first builds the communication group and pays one-time costs). Names that ran
+    only once per process are left out; ``{}`` for a run without them (the colocated trainer)."""
+    by_name: Dict[str, Dict[Any, List[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for span in spans:
+        if span["name"].startswith(CKPT_PREFIX):
+            by_name[span["name"]][span.get("pid")].append(float(span["dt"]) * 1e3)
+    out = {}
+    for name, per_pid in by_name.items():
+        later = [v for durations in per_pid.values() for v in durations[1:]]
+        if later:
+            out[name] = {"median_ms": med(later), "p90_ms": p90(later), "n": len(later), "processes": len(per_pid)}
     return out
 
 
@@ -830,6 +852,25 @@ def update_verdict(builtin: dict, ours: dict) -> Optional[str]:
                    f"{ms['o_rollout']:.0f} ms, {ms['o_rollout'] - room:.0f} ms over.")
 
 
+def _ckpt_lines(runs: Dict[str, dict]) -> List[str]:
+    """A table of verl's checkpoint-engine steps (:func:`ckpt_phases`), median ms per side; none where no
+    side has them."""
+    names = sorted({n for run in runs.values() for n in (run.get("ckpt_phases") or {})})
+    if not names:
+        return []
+    cols = [s for s in SIDES if s in runs]
+    lines = ["verl's checkpoint-engine steps per weight sync (median ms over the calls after each process's "
+             "first; `n` calls):", "", "| step | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
+             "| --- |" + " ---: |" * len(cols)]
+    for name in names:
+        cells = []
+        for s in cols:
+            ph = (runs[s].get("ckpt_phases") or {}).get(name)
+            cells.append("n/a" if ph is None else f"{ph['median_ms']:.1f} (n={ph['n']})")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _greedy_lines(entry: dict) -> List[str]:
     """The report's lines on greedy equality: verl's validation dump (:func:`greedy_agreement`) and the
     tools task's turns (:func:`turn_agreement`), each with a blank line; none where the runs left neither."""
@@ -905,7 +946,7 @@ def markdown(comparison: dict) -> str:
         va = [f"{_f(_first(runs[s]['val_acc']))} -> {_f(_last(runs[s]['val_acc']))}" for s in cols]
         lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
         lines.append("")
-        lines += _greedy_lines(entry)
+        lines += _greedy_lines(entry) + _ckpt_lines(runs)
         lines += _peak_process_table(runs, cols)
         lines += _awake_lines(runs, cols)
         lines += _memory_table(runs, cols)
