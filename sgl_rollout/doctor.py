@@ -126,8 +126,8 @@ def _sglang_plugin() -> str:
                 ">= 0.5.12 loads them in its schedulers)")
     if all(v == "unregistered" for v in states.values()):
         return "not registered (install this package with pip; needed for Qwen2.5-VL on SGLang 0.5.12)"
-    return "; ".join(f"{k}: {'registered, but SGLANG_PLUGINS=' + repr(os.environ.get('SGLANG_PLUGINS')) + ' leaves it out' if v == 'excluded' else v}"
-                     for k, v in states.items())
+    excluded = f"registered, but SGLANG_PLUGINS={os.environ.get('SGLANG_PLUGINS')!r} leaves it out"
+    return "; ".join(f"{name}: {excluded if state == 'excluded' else state}" for name, state in states.items())
 
 
 def _info(fn: Callable[[], str]) -> Callable[[], Result]:

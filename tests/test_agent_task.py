@@ -87,6 +87,8 @@ def test_greedy_episodes_are_logged_only_where_asked_and_only_greedy(tmp_path):
     env = {agent_task.TURNS_DIR_ENV: str(tmp_path / "turns")}
     assert not agent_task.log_greedy_episode([1, 2], [[3]], {"temperature": 0.0}, environ={})
     assert not agent_task.log_greedy_episode([1, 2], [[3]], {"temperature": 0.7}, environ=env)
+    for unset in ({}, {"temperature": None}):  # SGLang's default temperature, 1.0: sampled, not greedy
+        assert not agent_task.log_greedy_episode([1, 2], [[3]], unset, environ=env)
     assert agent_task.log_greedy_episode([1, 2], [[3], [4, 5]], {"temperature": 0}, environ=env)
     (line,) = (tmp_path / "turns" / f"turns-{os.getpid()}.jsonl").read_text().splitlines()
     row = json.loads(line)

@@ -649,8 +649,8 @@ def test_checkpoint_engine_steps_are_summarized_after_each_processs_first_call()
              {"name": "verl.update_weights", "t0": 0.0, "dt": 1.0, "pid": 2}]
     got = verl_report.ckpt_phases(spans)
     assert set(got) == {"ckpt.build_group", "ckpt.send"}
-    assert got["ckpt.build_group"]["median_ms"] == pytest.approx(20.0) and got["ckpt.build_group"]["n"] == 2
-    assert got["ckpt.send"]["median_ms"] == pytest.approx(200.0) and got["ckpt.send"]["processes"] == 2
+    assert got["ckpt.build_group"]["median"] == pytest.approx(20.0) and got["ckpt.build_group"]["n"] == 2
+    assert got["ckpt.send"]["median"] == pytest.approx(200.0) and got["ckpt.send"]["processes"] == 2
     lines = verl_report._ckpt_lines({"builtin": {"ckpt_phases": got}, "ours": {"ckpt_phases": {}}})
     assert "| `ckpt.send` | 200.0 (n=2) | n/a |" in lines
     assert verl_report._ckpt_lines({"builtin": {}, "ours": {}}) == []

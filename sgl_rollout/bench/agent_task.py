@@ -50,7 +50,8 @@ def log_greedy_episode(prompt: List[int], turns: List[List[int]], sampling_param
     variable or for a sampled episode, and never raises (a lost line costs the comparison, not the run)."""
     environ = os.environ if environ is None else environ
     folder = environ.get(TURNS_DIR_ENV)
-    if not folder or float(sampling_params.get("temperature", 1.0) or 0.0) != 0.0:
+    temperature = sampling_params.get("temperature")  # absent or None: SGLang's default, 1.0
+    if not folder or temperature is None or float(temperature) != 0.0:
         return False
     try:
         os.makedirs(folder, exist_ok=True)

@@ -733,6 +733,11 @@ def simulated_nodes(nnodes: int, ngpus: int):
         cluster.shutdown()
 
 
+def makes_own_tools_model(args: argparse.Namespace) -> bool:
+    """Whether ``--task tools`` runs on a model it makes (no ``--model`` or ``--gguf`` given)."""
+    return args.task == "tools" and not (args.model or args.gguf)
+
+
 def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
     """The model folder and ``out/data/{train,val}.parquet`` of ``args.task``: the demo's model (or a
     random Llama of its tokenizer, ``--random-model``) and 2,048 sums; a tiny Qwen2.5-VL with random
@@ -746,8 +751,6 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
     """
     from ..workloads import ModelSetupError, resolve_model, write_parquet
 
-    if args.task == "tools":
-        from .agent_task import write_tools_task
     try:
         if args.task == "shapes":
             from .vlm import make_qwen2_5_vl_dir, write_shapes_parquet
@@ -757,21 +760,22 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
                 make_qwen2_5_vl_dir(str(model_dir))
             write_shapes_parquet(out / "data", n_train=512, n_val=n_val)
             return model_dir
-        if args.task == "tools" and not (args.model or args.gguf):
+        if makes_own_tools_model(args):
             from .chat_tokenizer import build_chat_model_dir
 
             model_dir = out / "model-chat-tiny-random"
             if not (model_dir / "model.safetensors").is_file():
                 build_chat_model_dir(model_dir, with_weights=True)
-            write_tools_task(out / "data", n_train=2048, n_val=n_val)
-            return model_dir
-        model_dir = resolve_model(args.model, args.gguf)
-        if args.random_model:
-            model_dir = random_llama_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
+        else:
+            model_dir = resolve_model(args.model, args.gguf)
+            if args.random_model:
+                model_dir = random_llama_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
     except (ModelSetupError, OSError, ValueError, KeyError, ImportError, subprocess.CalledProcessError) as exc:
         raise SetupError(f"model: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
     if args.task == "tools":
+        from .agent_task import write_tools_task
+
         write_tools_task(out / "data", n_train=2048, n_val=n_val)
     else:
         write_parquet(out / "data", n_train=2048, n_val=n_val)
@@ -838,7 +842,7 @@ def _run_pairs(args, out: Path, run_dirs, orders, config: dict, model_dir: Path,
     from . import verl_report
 
     failed = False
-    devices = dict(zip(("builtin", "ours"), split_devices(args.ngpus))) if getattr(args, "at_once", False) else None
+    devices = dict(zip(("builtin", "ours"), split_devices(args.ngpus))) if args.at_once else None
     for pair, dirs in run_dirs.items():
         if devices:
             with ThreadPoolExecutor(max_workers=len(dirs)) as pool:
@@ -889,8 +893,7 @@ def main(args: argparse.Namespace) -> int:
     diffs = differences(args.fast_sync)
     config = {
         "title": args.title, "task": args.task, "model": str(model_dir),
-        "random_weights": bool(args.random_model) or args.task == "shapes" or (
-            args.task == "tools" and not (args.model or args.gguf)),
+        "random_weights": bool(args.random_model) or args.task == "shapes" or makes_own_tools_model(args),
         "steps": args.steps, "pairs": args.pairs, "ngpus": args.ngpus, "tp": args.tp, "nnodes": args.nnodes,
         "simulated_nodes": bool(args.simulate_nodes and args.nnodes > 1), "trainer": args.trainer,
         "rollout_gpus": args.rollout_gpus if args.trainer != "sync" else None,

@@ -451,9 +451,10 @@ CKPT_PREFIX = "ckpt."
 
 def ckpt_phases(spans: List[dict]) -> Dict[str, dict]:
     """verl's checkpoint-engine steps of a run (standalone replicas, the asynchronous trainers): for each
-    ``ckpt.*`` span name, ``{"median_ms", "p90_ms", "n", "processes"}`` over its calls after each
-    process's first (the first builds the communication group and pays one-time costs). Names that ran
-    only once per process are left out; ``{}`` for a run without them (the colocated trainer)."""
+    ``ckpt.*`` span name, :func:`_distribution` of its durations in milliseconds over its calls after each
+    process's first (the first builds the communication group and pays one-time costs), plus
+    ``"processes"``. Names that ran only once per process are left out; ``{}`` for a run without them
+    (the colocated trainer)."""
     by_name: Dict[str, Dict[Any, List[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for span in spans:
         if span["name"].startswith(CKPT_PREFIX):
@@ -462,7 +463,7 @@ def ckpt_phases(spans: List[dict]) -> Dict[str, dict]:
     for name, per_pid in by_name.items():
         later = [v for durations in per_pid.values() for v in durations[1:]]
         if later:
-            out[name] = {"median_ms": med(later), "p90_ms": p90(later), "n": len(later), "processes": len(per_pid)}
+            out[name] = {**_distribution(later), "processes": len(per_pid)}
     return out
 
 
@@ -866,7 +867,7 @@ def _ckpt_lines(runs: Dict[str, dict]) -> List[str]:
         cells = []
         for s in cols:
             ph = (runs[s].get("ckpt_phases") or {}).get(name)
-            cells.append("n/a" if ph is None else f"{ph['median_ms']:.1f} (n={ph['n']})")
+            cells.append("n/a" if ph is None else f"{ph['median']:.1f} (n={ph['n']})")
         lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return lines + [""]
 
