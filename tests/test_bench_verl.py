@@ -930,15 +930,20 @@ def test_at_once_runs_both_sides_of_a_pair_together_each_on_its_gpus(tmp_path, m
     reading that same variable; the report says the pair ran at once."""
     import argparse
     import threading
-    import time
 
     events, lock = [], threading.Lock()
+    # Each side waits for the other at a barrier: run in turn, the first side's wait times out (the barrier
+    # breaks) instead of depending on how a slow CI machine schedules the two threads.
+    both_started = threading.Barrier(2, timeout=30)
 
     def fake_run_side(side, pair, cmd, env, run_dir, steps, timeout_s, sampler_factory=None):
         sampler = sampler_factory()
         with lock:
             events.append(("start", side, env["CUDA_VISIBLE_DEVICES"], sampler._environ["CUDA_VISIBLE_DEVICES"]))
-        time.sleep(0.3)
+        try:
+            both_started.wait()
+        except threading.BrokenBarrierError:
+            events.append(("alone", side))
         with lock:
             events.append(("end", side))
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -957,4 +962,5 @@ def test_at_once_runs_both_sides_of_a_pair_together_each_on_its_gpus(tmp_path, m
     starts = {e[1]: e[2:] for e in events if e[0] == "start"}
     assert starts == {"builtin": ("4", "4"), "ours": ("5", "5")}
     assert [e[0] for e in events[:2]] == ["start", "start"]  # together, not in turn
+    assert not [e for e in events if e[0] == "alone"]
     assert "## Pair 1 (both sides at once, each on GPUs of its own)" in (out / "comparison.md").read_text()
