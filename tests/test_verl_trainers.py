@@ -76,3 +76,15 @@ def test_the_report_reads_the_async_trainers_metrics():
     for trainer, key in verl_trainers.SYNC_KEYS.items():
         assert key in verl_report.TIMING_KEYS, trainer
     assert "timing_s/generate_async" in verl_report.TABLE_KEYS and "perf/throughput" in verl_report.TABLE_KEYS
+
+
+@pytest.mark.parametrize("trainer", ["one_step_off", "fully_async"])
+def test_ours_checkpoint_engine_goes_to_sgl_rollouts_side_only(tmp_path, trainer):
+    kw = dict(python="python", trainer=trainer, rollout_gpus=1, ours_backend="sgl_rollout")
+    ours = verl_compare.side_command("ours", tmp_path / "m", tmp_path / "o", 2, 1, 4, 0.5, **kw)
+    builtin = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "b", 2, 1, 4, 0.5, **kw)
+    keys = [o.split("=", 1)[0].lstrip("+") for o in ours[3:]]
+    assert len(keys) == len(set(keys))
+    assert _composed(trainer, ours).actor_rollout_ref.rollout.checkpoint_engine.backend == "sgl_rollout"
+    assert _composed(trainer, builtin).actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"
+    assert any("sgl_rollout" in d for d in verl_compare.differences(None, "sgl_rollout"))

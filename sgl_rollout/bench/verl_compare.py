@@ -341,6 +341,8 @@ def process_name(pid: int, proc: str = "/proc") -> str:
 #: The hydra override ``--fast-sync`` / ``--no-fast-sync`` add to sgl-rollout's side only (without either,
 #: that side runs ``RolloutConfig.fast_sync``'s default: the fast path).
 FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true"
+#: The asynchronous trainers' checkpoint-engine key (``--ours-checkpoint-engine`` sets it on sgl-rollout's side).
+CKPT_BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 
 
 def fast_sync_override(fast_sync: Optional[bool]) -> Optional[str]:
@@ -350,7 +352,7 @@ def fast_sync_override(fast_sync: Optional[bool]) -> Optional[str]:
     return FAST_SYNC_OVERRIDE if fast_sync else FAST_SYNC_OVERRIDE.replace("=true", "=false")
 
 
-def differences(fast_sync: Optional[bool] = None) -> List[str]:
+def differences(fast_sync: Optional[bool] = None, ours_backend: str = "nccl") -> List[str]:
     """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
            "which rollout answers rollout.name=sglang; both run the timing probe (Ray's worker_process_setup_hook)",
@@ -360,6 +362,9 @@ def differences(fast_sync: Optional[bool] = None) -> List[str]:
         what = ("this package's fast-path weight sync (--fast-sync, also the default)" if fast_sync else
                 "SGLang's flattened buckets instead of the fast path (--no-fast-sync)")
         out.append(f"{override.lstrip('+')} on sgl-rollout's side only: {what}; verl's built-in has no such setting")
+    if ours_backend != "nccl":
+        out.append(f"{CKPT_BACKEND_KEY}: nccl (built-in) vs {ours_backend} (sgl-rollout, --ours-checkpoint-engine): "
+                   "the asynchronous trainers' weight transfer; verl's built-in cannot take this package's backend")
     return out
 
 
@@ -367,14 +372,15 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
                  python: str = sys.executable, fast_sync: Optional[bool] = None, task: str = "arith",
                  nnodes: int = 1, worker_env: Optional[Dict[str, str]] = None, trainer: str = "sync",
-                 rollout_gpus: int = 0) -> List[str]:
+                 rollout_gpus: int = 0, ours_backend: str = "nccl") -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
     ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default);
     ``task="shapes"`` puts :data:`.vlm.SHAPES_OVERRIDES` over the arithmetic task's data and reward keys;
     ``nnodes`` nodes of ``ngpus`` GPUs (:func:`sgl_rollout.workloads.grpo_overrides`); ``worker_env``
     more variables for verl's Ray workers (a simulated cluster's, :func:`simulated_nodes`); ``trainer``
     one of :data:`.verl_trainers.TRAINERS`, the asynchronous ones with ``rollout_gpus`` of the ``ngpus``
-    for the rollout (:func:`.verl_trainers.trainer_overrides`).
+    for the rollout (:func:`.verl_trainers.trainer_overrides`), whose checkpoint engine is verl's ``nccl``
+    except ``ours_backend`` on ``"ours"``.
 
     Raises:
         ValueError: an unknown ``trainer`` or a GPU split it cannot run with.
@@ -411,6 +417,8 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}")
     if side == "ours" and fast_sync_override(fast_sync) is not None:
         overrides.append(fast_sync_override(fast_sync))
+    if side == "ours" and trainer != "sync":
+        overrides = with_overrides(overrides, [f"{CKPT_BACKEND_KEY}={ours_backend}"])
     return [python, "-m", MODULES[trainer], *overrides, *extra]
 
 
@@ -621,6 +629,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--rollout-gpus of the --ngpus (sgl_rollout.bench.verl_trainers)")
     p.add_argument("--rollout-gpus", type=int, default=0, help="GPUs of the rollout's own pool for the "
                    "asynchronous trainers (the rest train)")
+    p.add_argument("--ours-checkpoint-engine", choices=("nccl", "sgl_rollout"), default="nccl",
+                   help="the asynchronous trainers' checkpoint_engine.backend on sgl-rollout's side (the built-in "
+                   "always runs verl's nccl): sgl_rollout sends each rollout TP rank only its shard "
+                   "(sgl_rollout.integrations.verl_checkpoint_engine)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of --ngpus GPUs each; more than 1 joins the Ray "
                    "cluster RAY_ADDRESS names, or --simulate-nodes")
     p.add_argument("--simulate-nodes", action="store_true", help="with --nnodes N: make N Ray nodes of --ngpus "
@@ -816,7 +828,8 @@ def _run_one(args, out: Path, pair: int, side: str, run_dir: Path, model_dir: Pa
         data.symlink_to(out / "data", target_is_directory=True)
     cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps, args.gpu_memory_utilization,
                        args.overrides, fast_sync=args.fast_sync, task=args.task, nnodes=args.nnodes,
-                       worker_env=worker_env, trainer=args.trainer, rollout_gpus=args.rollout_gpus)
+                       worker_env=worker_env, trainer=args.trainer, rollout_gpus=args.rollout_gpus,
+                       ours_backend=args.ours_checkpoint_engine)
     run_env = {**side_env(side, run_dir), **env, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
     where = f" on GPUs {devices}" if devices else ""
     print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running{where} (log {run_dir / 'train.log'})",
@@ -890,7 +903,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench verl: {exc}", file=sys.stderr)
         return 2
     run_dirs, orders = plan_pairs(out, args.pairs, sides)
-    diffs = differences(args.fast_sync)
+    diffs = differences(args.fast_sync, args.ours_checkpoint_engine if args.trainer != "sync" else "nccl")
     config = {
         "title": args.title, "task": args.task, "model": str(model_dir),
         "random_weights": bool(args.random_model) or args.task == "shapes" or makes_own_tools_model(args),
@@ -899,6 +912,7 @@ def main(args: argparse.Namespace) -> int:
         "rollout_gpus": args.rollout_gpus if args.trainer != "sync" else None,
         "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": _effective_fast_sync(args.fast_sync),
         "at_once": bool(args.at_once),
+        "ours_checkpoint_engine": args.ours_checkpoint_engine if args.trainer != "sync" else None,
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),

@@ -29,7 +29,8 @@ def _load_replica():
 
 
 def register() -> bool:
-    """Point verl's ("sglang", "async") rollout and "sglang" replica at this package.
+    """Point verl's ("sglang", "async") rollout and "sglang" replica at this package, and register its
+    checkpoint-engine backend ``sgl_rollout`` (:mod:`.verl_checkpoint_engine`).
 
     Returns:
         True when registered; False when verl's registries could not be reached (logged at WARNING
@@ -41,6 +42,9 @@ def register() -> bool:
 
         _ROLLOUT_REGISTRY[(NAME, "async")] = ROLLOUT_CLASS
         RolloutReplicaRegistry.register(NAME, _load_replica)
+        from . import verl_checkpoint_engine  # registers checkpoint_engine.backend=sgl_rollout on import
+
+        verl_checkpoint_engine.register()
     except Exception as e:  # noqa: BLE001 - any failure must be loud, verl would swallow it
         logger.warning("sgl-rollout could not register with verl (rollout.name=%s stays verl's built-in): %r",
                        NAME, e, exc_info=True)

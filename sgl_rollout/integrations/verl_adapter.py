@@ -57,6 +57,7 @@ from .verl_config import (
     model_path_of,
     rollout_config_for_verl,
 )
+from .verl_checkpoint_engine import WIRE_FORMAT as P2P_WIRE_FORMAT
 from .verl_server import server_name
 from .verl_weight_sync import _ERR, VerlWeightSync, _aclose, _FastPathRound, _is_error, _PeerLeft  # noqa: F401
 
@@ -269,7 +270,9 @@ class SglRolloutAdapter(VerlWeightSync, BaseRollout):
             weights: ``(name, tensor)`` pairs in Hugging Face naming: a sync iterable or an async
                 iterable (verl's checkpoint engines' ``receive_weights``); tensors of any dtype on this
                 worker's GPU (or CPU).
-            wire_format: only ``"named_tensors"``.
+            wire_format: ``"named_tensors"``, or :data:`~.verl_checkpoint_engine.WIRE_FORMAT` when ``weights``
+                is the ``sgl_rollout`` checkpoint engine's receipt (:meth:`_receive_plan`: the trainer
+                sends this rank's copy plan's bytes itself).
             peft_config: verl's LoRA adapter config (dict or ``peft.LoraConfig``) when it serves LoRA as
                 an adapter, else None (full or merged weights).
             base_sync_done: with ``peft_config``: True: ``weights`` is the adapter (PEFT names), loaded
@@ -280,7 +283,7 @@ class SglRolloutAdapter(VerlWeightSync, BaseRollout):
             global_steps: the trainer step of these weights, reported in ``TokenOutput.extra_fields``.
 
         Raises:
-            NotImplementedError: ``wire_format`` other than ``"named_tensors"``, or ``peft_config`` for an
+            NotImplementedError: another ``wire_format``, or ``peft_config`` for an
                 engine started without LoRA (``model.lora.merge=True``).
             BaseWeightsMissing: an adapter for an engine that lacks its base weights (it restarted, say);
                 nothing was sent.
@@ -288,6 +291,10 @@ class SglRolloutAdapter(VerlWeightSync, BaseRollout):
             RuntimeError: another TP rank failed, or the ranks disagree on the number of buckets.
             MemoryStateError, EngineDeadError, EngineClosedError: from the engine actor, unchanged.
         """
+        if wire_format == P2P_WIRE_FORMAT and peft_config is None:
+            self._ensure_tp_group()
+            await self._receive_plan(weights, global_steps)
+            return
         if wire_format != "named_tensors":
             raise NotImplementedError(f"wire_format={wire_format!r} is not supported by sgl-rollout; set "
                                       f"{ROLLOUT_PREFIX}.checkpoint_engine.backend to a full-weight backend")

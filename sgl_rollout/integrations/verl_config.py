@@ -195,10 +195,14 @@ def check_verl_features(cfg, model_config=None, prefix: str = ROLLOUT_PREFIX) ->
         refuse(f"{prefix}.checkpoint_engine.backend", backend,
                "delta weight syncs (wire_format='delta_flush') need verl's custom SGLang weight loader",
                f"backend=naive or nccl/nixl (full weights), or {VERL_BUILTIN}")
+    ours = dict(_get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {})
+    if backend == "sgl_rollout" and (not ours.get("fast_sync", True) or _get(cfg, "quantization", None) == "fp8"):
+        refuse(f"{prefix}.checkpoint_engine.backend", backend,
+               "it sends the fast path's copy-plan buckets, so it needs engine_kwargs.sgl_rollout.fast_sync=True "
+               "and unquantized weights", "backend=nccl, or fast_sync=True without quantization")
     if _profiler_discrete(_get(cfg, "profiler", None)):
         refuse(f"{prefix}.profiler.tool_config.<tool>.discrete", True,
                "profiling the rollout engine is not wired in sgl-rollout", f"discrete=False, or {VERL_BUILTIN}")
-    ours = dict(_get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {})
     for key in sorted(set(ours) - set(SGL_ROLLOUT_KWARGS)):
         refuse(f"{prefix}.engine_kwargs.sgl_rollout.{key}", ours[key], "not a key of sgl-rollout's verl settings",
                "one of " + ", ".join(f"{k} ({why})" for k, why in SGL_ROLLOUT_KWARGS.items()))

@@ -96,6 +96,10 @@ FEATURES: List[Feature] = [
     Feature("checkpoint-engine backends `naive`, `nccl`, `nixl`", True, True,
             "tests/test_verl_adapter.py::test_checkpoint_engine_worker_tp2_async_generator",
             note="standalone rollout not yet run through verl (issue 39; `bench verl --trainer one_step_off` runs it)"),
+    Feature("checkpoint-engine backend `sgl_rollout` (each trainer rank sends each rollout TP rank only its shard, "
+            "into the fast path's buffer)", False, True,
+            "tests/test_p2p.py::test_verl_drives_the_backend_as_its_checkpoint_engine_manager_does",
+            note="CPU (gloo) only; not yet run on GPUs (issue 39)"),
     Feature("checkpoint-engine backend `delta_sharded`", True, False,
             "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
             refused_by=({"checkpoint_engine": {"backend": "delta_sharded"}}, "checkpoint_engine.backend")),

@@ -237,12 +237,7 @@ class VerlWeightSync:
         """
         from ..weight_sync.manifest import SyncValidator
 
-        began = False
-        error: Optional[BaseException] = None
-        try:
-            if self.is_leader_rank:
-                await self.server.begin_weight_sync.remote()
-                began = True
+        async def work():
             validator = SyncValidator(self._sync_manifest())
             if hasattr(named, "__aiter__"):  # items are pulled from this loop by a helper thread
                 loop = asyncio.get_running_loop()
@@ -250,8 +245,56 @@ class VerlWeightSync:
                 await loop.run_in_executor(self._bucket_executor(), _fast_send, sender, items, validator)
             else:  # verl's sync generators may run collectives that must stay on this thread
                 _fast_send(sender, named, validator)
+
+        await self._fast_sync(sender, work, named, global_steps)
+
+    async def _receive_plan(self, receipt, global_steps: Optional[int]) -> None:
+        """One weight sync from verl's checkpoint engine ``sgl_rollout``
+        (:mod:`~sgl_rollout.integrations.verl_checkpoint_engine`): this TP rank's trainer rank sends its
+        copy plan's buckets straight into its fast-path buffer (:func:`~sgl_rollout.weight_sync.p2p.receive_plan_buckets`,
+        on the bucket thread: it blocks on the transfers), inside the engine's sync fence, with
+        :meth:`_send_fast`'s failure rules. A rank that cannot take the sync tells its trainer rank first,
+        so no side waits for the other.
+
+        Raises:
+            FastPathError: the fast path is off for this replica (the trainer was told).
+        """
+        from ..weight_sync.fast_path import FastPathError
+        from ..weight_sync.p2p import receive_plan_buckets
+
+        sender = self._fast_sender()
+        if sender is None:
+            why = ("checkpoint_engine.backend=sgl_rollout needs the fast path (engine_kwargs.sgl_rollout.fast_sync, "
+                   "a weight manifest, CUDA on every TP rank)")
+            receipt.refuse(why)
+            raise FastPathError(why)
+        info = dict(model_path=self._sync_path.model_path, trust_remote_code=self._sync_path.trust_remote_code)
+
+        async def work():
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._bucket_executor(), receive_plan_buckets, sender, receipt, info)
+
+        def not_started(exc: BaseException) -> None:
+            receipt.refuse(f"{type(exc).__name__}: {exc}")
+
+        await self._fast_sync(sender, work, None, global_steps, not_started=not_started)
+
+    async def _fast_sync(self, sender: FastPathSender, work, named, global_steps: Optional[int],
+                         not_started=None) -> None:
+        """The fence, closing round and outcome of a fast-path sync whose body is ``await work()``;
+        ``not_started(exc)`` runs when the sync failed before the body began (the leader's fence refused)."""
+        began, started = False, False
+        error: Optional[BaseException] = None
+        try:
+            if self.is_leader_rank:
+                await self.server.begin_weight_sync.remote()
+                began = True
+            started = True
+            await work()
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the closing round
             error = exc
+            if not started and not_started is not None:
+                not_started(exc)
         peers = [] if isinstance(error, _PeerLeft) else sender.engine.close(error)
         if error is None and peers:
             error = RuntimeError("the weight sync failed on " + "; ".join(peers))
@@ -268,7 +311,8 @@ class VerlWeightSync:
         """Close verl's weights generator; the leader then ends the engine's sync (``finish_weight_sync``)
         if it began one. A failing ``finish_weight_sync`` is raised after a good sync and logged after a
         failed one (whose own error is the one to raise)."""
-        await _aclose(named)
+        if named is not None:
+            await _aclose(named)
         if self.is_leader_rank and began:
             try:
                 await self.server.finish_weight_sync.remote(ok=ok, global_steps=global_steps if ok else None)

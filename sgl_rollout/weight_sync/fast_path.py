@@ -130,6 +130,7 @@ class FastPathSender:
         self._t_mark = time.perf_counter()
         self._mem = _RankBuffers(self.devices)  # per rank: the buffer and status block shared with the engine
         self._layouts: Optional[List[List[list]]] = None  # per rank, per bucket: list of Piece
+        self._chunks: Optional[List[list]] = None  # per rank: the engine's copy plan (Chunk lists)
         self._program: Optional[_SendProgram] = None  # the plan path's per-sync constants
         self._plan_ids: List[str] = []
         self._registered = False  # the engine's config was checked to list the loader
@@ -271,6 +272,7 @@ class FastPathSender:
                            "on flattened buckets", self.reason)
             return False
         self._plan_ids = [h["plan_id"] for h in headers]
+        self._chunks = [a[3] for a in answers]
         self._layouts = [layout([Chunk.from_list(c) for c in a[3]], self.bucket_bytes) for a in answers]
         self._program = _SendProgram(self._layouts)
         self.covered = True
@@ -362,31 +364,35 @@ class FastPathSender:
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
         """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
-        the engine; the protocol's bucket rounds (:func:`~.protocol.bucket_rounds`), a source dropped
-        once the bucket with its last piece was loaded."""
-        prog = self._program
-        feed = _SourceFeed(named_tensors, validator, prog.last_use)
-        stats = SyncStats()
+        the engine, a source dropped once the bucket with its last piece was loaded."""
+        feed = _SourceFeed(named_tensors, validator, self._program.last_use)
+
+        def fill(b: int) -> list:
+            feed.take(b, self._program.needed[b])
+            return [self._gather_rank(i, r, b, feed) for i, r in enumerate(self.tp_ranks)]
+
+        stats = self._plan_rounds(fill, lambda b: feed.drop(self._program.drop_after[b]), feed.finish)
+        stats.n_tensors = feed.seen
+        return stats
+
+    def _plan_rounds(self, fill: Callable[[int], list], loaded: Callable[[int], None],
+                     done: Callable[[], None]) -> SyncStats:
+        """The plan path's bucket rounds (:func:`~.protocol.bucket_rounds`): ``fill(b)`` gives each served
+        rank's (header, buffer) of bucket ``b``, the engine scatters them, ``loaded(b)`` follows; ``done()``
+        after the last bucket of a sync that did not fail."""
+        prog, stats = self._program, SyncStats()
 
         def next_round(b: int) -> list:
-            if b >= prog.n_buckets:
-                return [None] * len(self.tp_ranks)
-            feed.take(b, prog.needed[b])
-            return [self._gather_rank(i, r, b, feed) for i, r in enumerate(self.tp_ranks)]
+            return [None] * len(self.tp_ranks) if b >= prog.n_buckets else fill(b)
 
         def load(payloads: list, b: int) -> None:
             self._call([h for h, _ in payloads], [buf for _, buf in payloads])
             stats.n_buckets += 1
             stats.bytes += prog.bytes_rank0[b]
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, *(x.numel() for x in self._buffers if x is not None))
-            feed.drop(prog.drop_after[b])
+            loaded(b)
 
-        def finish(ok: bool) -> None:
-            if ok:
-                feed.finish()
-
-        bucket_rounds(begin=lambda: None, next_round=next_round, load=load, finish=finish)
-        stats.n_tensors = feed.seen
+        bucket_rounds(begin=lambda: None, next_round=next_round, load=load, finish=lambda ok: ok and done())
         return stats
 
     def ping(self) -> float:
@@ -428,7 +434,7 @@ class FastPathSender:
         self.release(notify=False)
         if new_key:
             self.key = uuid.uuid4().hex
-        self.covered, self._layouts, self._program, self.reason = None, None, None, ""
+        self.covered, self._layouts, self._chunks, self._program, self.reason = None, None, None, None, ""
 
 
 #: Ways :class:`FastPathSender` writes a bucket into its buffer (its ``gather`` argument).
@@ -506,6 +512,7 @@ class _SendProgram:
         self.drop_after = [[n for n, last in self.last_use.items() if last == b] for b in range(self.n_buckets)]
         self.bytes_rank0 = [sum(pc.chunk.nbytes for pc in layouts[0][b]) if b < len(layouts[0]) else 0
                             for b in range(self.n_buckets)]
+        self.sizes = [[bucket_size(p) for p in lay] for lay in layouts]  # bytes of each rank's buckets
 
 
 class _RankBuffers:

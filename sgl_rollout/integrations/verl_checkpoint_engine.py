@@ -1,0 +1,180 @@
+"""verl checkpoint-engine backend ``sgl_rollout``: each trainer rank sends each rollout TP rank only its
+shard, straight into the engine's fast-path buffer (:mod:`sgl_rollout.weight_sync.p2p`).
+
+For rollout replicas on GPUs of their own (verl's standalone mode, its one-step-off and fully-async
+trainers): ``actor_rollout_ref.rollout.checkpoint_engine.backend=sgl_rollout``. verl's
+``CheckpointEngineManager.update_weights`` (``verl/checkpoint_engine/base.py``) then drives it as any
+backend: ``prepare`` and ``init_process_group`` on every trainer and rollout worker, the trainers'
+``send_weights(get_per_tensor_param())``, the rollout workers' ``receive_weights`` handed to this
+package's adapter (``SglRolloutAdapter.update_weights(wire_format=WIRE_FORMAT)``), ``finalize``.
+
+What differs from verl's ``nccl`` backend (``verl/checkpoint_engine/nccl_checkpoint_engine.py``),
+which broadcasts every full tensor from trainer rank 0 to every rollout GPU through two buckets on each:
+
+* rollout worker ``k`` is served by trainer rank ``k % trainer world size``, so trainer ranks send at
+  the same time, and each sends only the bytes of its rollout ranks' copy plans (their TP shards,
+  already in the engine's fused layout), validated against the weight manifest on the way;
+* the bytes land in the fast path's persistent buffer, which the engine scatters into its parameters:
+  no second bucket and no copy out of a broadcast buffer on the rollout side;
+* the group and its store live across syncs (``prepare`` allocates nothing, ``finalize`` frees nothing
+  but the fast path's buffer, which the adapter frees after each sync).
+
+Only this package's rollout (``rollout.name=sglang`` answered by sgl-rollout, fast path on) can take
+its ``receive_weights``; :func:`~.verl_config.check_served_features` refuses it otherwise.
+
+verl imports this module through this package's plugin (:mod:`.verl`), in the driver and every worker;
+``checkpoint_engine.custom_backend_module=sgl_rollout.integrations.verl_checkpoint_engine`` does the same
+where plugins are off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..weight_sync.p2p import PeerGroup, PlanReceipt, send_plan_buckets
+
+logger = logging.getLogger(__name__)
+
+#: ``checkpoint_engine.backend`` value of this backend.
+BACKEND = "sgl_rollout"
+#: ``wire_format`` this backend's ``receive_weights`` hands the adapter (verl's ``CheckpointEngineWorker``
+#: reads the backend's ``wire_format`` attribute).
+WIRE_FORMAT = "sgl_rollout_plan"
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address().strip("[]")
+
+
+def _free_port() -> int:
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    return get_free_port()
+
+
+def topology(actor_world: int, rollout_world: int, master: Tuple[str, int]) -> Tuple[Dict[str, list], Dict[str, list]]:
+    """``init_process_group`` arguments of every trainer and rollout worker (verl's ``build_topology``
+    contract: one list per argument, as long as each worker group).
+
+    Group ranks: trainer ranks ``0..A-1``, rollout worker ``k`` at ``A + k``. ``peers``: a trainer's
+    ``(group rank, rollout index)`` of each rollout worker it serves (``k % A == j``); a rollout
+    worker's one ``(group rank, rollout index)`` of the trainer rank that serves it and itself.
+    """
+    a, r = int(actor_world), int(rollout_world)
+    world = a + r
+    actor = {"rank": list(range(a)), "world_size": [world] * a, "master": [list(master)] * a,
+             "peers": [[(a + k, k) for k in range(r) if k % a == j] for j in range(a)]}
+    rollout = {"rank": [a + k for k in range(r)], "world_size": [world] * r, "master": [list(master)] * r,
+               "peers": [[(k % a, k)] for k in range(r)]}
+    return actor, rollout
+
+
+def _backend_class():
+    """The backend class, a subclass of verl's ``CheckpointEngine`` (made on first use: verl imports
+    lazily here)."""
+    from verl.checkpoint_engine.base import CheckpointEngine
+
+    class SglRolloutCheckpointEngine(CheckpointEngine):
+        """verl checkpoint engine ``sgl_rollout`` (see the module docstring).
+
+        Args:
+            bucket_size: verl's ``update_weights_bucket_megabytes`` in bytes; unused: the buckets are the
+                rollout engine's copy plan, made with this package's bucket size.
+            is_master: given by verl's trainer workers only (``verl/workers/engine_workers.py``: trainer
+                rank 0 is True); its absence marks a rollout worker (``CheckpointEngineWorker``).
+            timeout_s: seconds a store read or a transfer may wait before it raises.
+        """
+
+        wire_format = WIRE_FORMAT
+
+        def __init__(self, bucket_size: int = 0, is_master: Optional[bool] = None, timeout_s: float = 600.0, **_):
+            self.trainer = is_master is not None
+            self.is_master = bool(is_master)
+            self.timeout_s = float(timeout_s)
+            self._master: Optional[Tuple[str, int]] = None
+            self._group: Optional[PeerGroup] = None
+            self._key: Optional[tuple] = None
+            self.peers: List[Tuple[int, int]] = []
+
+        def prepare(self) -> Dict[str, Any]:
+            """This worker's metadata; trainer rank 0 names the group's store (the same address while
+            the group lives). Allocates nothing."""
+            if self.is_master and self._master is None:
+                self._master = (_node_ip(), _free_port())
+            return {"role": "trainer" if self.trainer else "rollout", "master": self._master}
+
+        @classmethod
+        def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
+            """:func:`topology`, with trainer rank 0's store address (``metadata[0]``)."""
+            master = metadata[0]["master"]
+            if master is None:
+                raise RuntimeError("trainer rank 0 gave no store address: was it made with is_master=True?")
+            return topology(actor_wg_world_size, rollout_world_size, tuple(master))
+
+        def init_process_group(self, rank: int, world_size: int, master, peers):
+            """Join the group (kept when the same rank, size and store come again)."""
+            key = (tuple(master), int(rank), int(world_size))
+            if self._group is None or self._key != key:
+                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+                self._group = PeerGroup(master[0], master[1], rank, world_size, device, timeout_s=self.timeout_s)
+                self._key = key
+            self.peers = [tuple(p) for p in peers]
+
+        def finalize(self):
+            """Nothing: the group and its store stay for the next sync."""
+
+        async def send_weights(self, weights, global_steps: Optional[int] = None):
+            """Send this trainer rank's rollout workers their plans' bytes (every rank reads ``weights``
+            to the end: verl's generator gathers collectively); returns verl's sync metrics (seconds, bytes).
+
+            Raises:
+                SyncValidationError, TrainerRefused: see :func:`~sgl_rollout.weight_sync.p2p.send_plan_buckets`.
+            """
+            stats = send_plan_buckets(self._group, self.peers, weights, renamer=_renamer)
+            return {"sgl_rollout/send_s": stats.seconds, "sgl_rollout/send_bytes": float(stats.bytes)}
+
+        def receive_weights(self, global_steps: Optional[int] = None) -> PlanReceipt:
+            """The receipt the adapter receives with (not a generator: verl hands it on unread)."""
+            (source, index), = self.peers
+            return PlanReceipt(self._group, source, index)
+
+    return SglRolloutCheckpointEngine
+
+
+@functools.lru_cache(maxsize=4)
+def _renamer_of(model_path: str, trust_remote_code: bool):
+    from ..checkpoint_names import checkpoint_renamer
+
+    return checkpoint_renamer(model_path, trust_remote_code=trust_remote_code)
+
+
+def _renamer(plan: dict):
+    """Trainer name -> checkpoint name for the model a rollout's plan names (read once per model), or None."""
+    path = plan.get("model_path")
+    return _renamer_of(path, bool(plan.get("trust_remote_code"))) if path else None
+
+
+def register() -> bool:
+    """Register :data:`BACKEND` in verl's ``CheckpointEngineRegistry`` (idempotent).
+
+    Returns:
+        True when registered; False when verl's checkpoint engines cannot be imported (logged).
+    """
+    try:
+        from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+        if BACKEND not in CheckpointEngineRegistry._registry:
+            CheckpointEngineRegistry.register(BACKEND)(_backend_class())
+    except Exception as exc:  # noqa: BLE001 - verl would only say "not registered" much later
+        logger.warning("sgl-rollout could not register checkpoint_engine.backend=%s with verl: %r", BACKEND, exc)
+        return False
+    return True
+
+
+register()

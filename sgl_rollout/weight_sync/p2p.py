@@ -1,0 +1,383 @@
+"""The copy plan's buckets packed on a trainer GPU and sent point to point into a rollout TP rank's
+fast-path buffer, for SGLang's ``update_weights_from_tensor`` with this package's loader.
+
+Rollout replicas on GPUs of their own (verl's standalone mode, its asynchronous trainers) get their
+weights from the trainer's ranks over a process group. verl's ``nccl`` checkpoint engine broadcasts
+every full tensor to every rollout GPU, where the rollout worker copies its TP rank's shard out again.
+Here each rollout TP rank publishes its engine's copy plan (:mod:`.plan`: which bytes of which trainer
+tensor go where in each bucket of that rank), a trainer rank packs exactly those bytes on its own GPU
+(the fast path's gather, :mod:`.fast_path`) and sends each bucket straight into that rank's persistent
+IPC buffer, which the engine then scatters into its parameters. So a rollout TP rank receives only its
+own shard; trainer ranks send to different rollout ranks at the same time; and the extra GPU memory
+is one bucket on each sending trainer rank and the fast path's one buffer on each rollout rank.
+
+The pieces, each usable without verl (the backend that verl drives is
+:mod:`sgl_rollout.integrations.verl_checkpoint_engine`):
+
+* :class:`PeerGroup`: a process group of its own (a ``TCPStore`` and NCCL on CUDA, gloo on the CPU),
+  kept across syncs; its store carries each sync's plans.
+* the wire, per link (one trainer rank to one rollout TP rank): per bucket a header
+  ``int64[3] = (OK, bucket, bytes)`` and the bucket's bytes; at the end ``(END, n, 0)``; on a failure
+  ``(ERROR, bucket, message bytes)`` and the message instead of the rest.
+* :func:`send_plan_buckets` (trainer side) and :func:`receive_plan_buckets` (rollout side).
+
+The weights are checked against the rollout's weight manifest on the trainer, tensor by tensor, before
+the bucket that needs them is sent (the same :class:`~.manifest.SyncValidator` as every other path);
+a refused tensor ends the sync on both sides with the validator's message, and every trainer rank
+still reads its weights generator to the end (verl's are collective over the trainer's ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .fast_path import FastPathError, FastPathSender, _gather, _SendProgram, _SourceFeed
+from .manifest import ParamSpec, SyncValidator, WeightManifest
+from .plan import Chunk, dtype_of, layout, manifest_entries
+from .protocol import SyncStats
+
+logger = logging.getLogger(__name__)
+
+#: Header codes of the wire (first element of the ``int64[3]`` header).
+OK, END, ERROR = 0, 1, 2
+
+
+def plan_key(index: int) -> str:
+    """The store key under which rollout worker ``index`` publishes its plan for the next sync."""
+    return f"sgl_rollout/plan/{index}"
+
+
+class PeerGroup:
+    """A process group of its own over a ``TCPStore``: ranks ``0..world_size-1`` of a trainer and its
+    rollout workers, apart from any ``torch.distributed`` default group the processes already have.
+
+    On CUDA it is ``torch.distributed.ProcessGroupNCCL`` (send/recv make a two-rank communicator per
+    pair on first use; the group is meant to live across syncs), on the CPU ``ProcessGroupGloo``
+    (tests). Rank 0 hosts the store.
+
+    Args:
+        host, port: the store's address (rank 0 listens there).
+        rank, world_size: this process's rank and the group's size.
+        device: where the wire's tensors live (a CUDA device: NCCL; the CPU: gloo).
+        timeout_s: seconds a store read or a transfer may wait (a peer that never comes raises then).
+
+    Raises:
+        RuntimeError / DistNetworkError: the store could not be reached within ``timeout_s``.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device, timeout_s: float = 600.0):
+        self.rank, self.world_size, self.device = int(rank), int(world_size), torch.device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = torch.distributed.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
+                                                timeout=timeout, wait_for_workers=False)
+        if self.device.type == "cuda":
+            opts = torch.distributed.ProcessGroupNCCL.Options()
+            if hasattr(opts, "_timeout"):
+                opts._timeout = timeout
+            self.pg = torch.distributed.ProcessGroupNCCL(self.store, self.rank, self.world_size, opts)
+        else:
+            self.pg = torch.distributed.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` (contiguous, on :attr:`device`) to rank ``dst``; on CUDA the caller's stream
+        then waits for it, so a later write into ``tensor`` on that stream is safe."""
+        self.pg.send([tensor], dst, 0).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive into ``tensor`` (contiguous, on :attr:`device`) from rank ``src``."""
+        self.pg.recv([tensor], src, 0).wait()
+
+    def publish(self, key: str, obj) -> None:
+        """Put JSON-able ``obj`` under ``key`` in the store."""
+        self.store.set(key, json.dumps(obj))
+
+    def take(self, key: str):
+        """The object under ``key``, waiting for it (up to the timeout), then delete it from the store."""
+        obj = json.loads(self.store.get(key))
+        self.store.delete_key(key)
+        return obj
+
+
+class _Wire:
+    """Headers and messages of one process's links, on the group's device."""
+
+    def __init__(self, group: PeerGroup):
+        self.group = group
+        self.head = torch.zeros(3, dtype=torch.int64, device=group.device)
+
+    def send_head(self, peer: int, code: int, b: int, n: int) -> None:
+        self.head.copy_(torch.tensor([code, b, n], dtype=torch.int64))
+        self.group.send(self.head, peer)
+
+    def recv_head(self, peer: int) -> Tuple[int, int, int]:
+        self.group.recv(self.head, peer)
+        code, b, n = (int(x) for x in self.head.tolist())
+        return code, b, n
+
+    def send_error(self, peer: int, b: int, message: str) -> None:
+        raw = message.encode()[:65536] or b"?"
+        self.send_head(peer, ERROR, b, len(raw))
+        self.group.send(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.group.device), peer)
+
+    def recv_error(self, peer: int, n: int) -> str:
+        raw = torch.empty(n, dtype=torch.uint8, device=self.group.device)
+        self.group.recv(raw, peer)
+        return bytes(raw.cpu().numpy()).decode(errors="replace")
+
+
+class TrainerRefused(RuntimeError):
+    """The trainer side ended the sync (its weights failed the manifest check, its generator raised);
+    the message is the trainer's. The engine is alive; its weights are partly new if buckets came."""
+
+
+# ====================================================================== trainer side
+class PlanPacker:
+    """Trainer side: the buckets of some rollout TP ranks' copy plans, packed into one buffer on this GPU.
+
+    Args:
+        plans: one published plan per destination (:func:`plan_message`, in the order the
+            destinations are served): ``chunks``, ``bucket_bytes``, ``manifest``, ``optional``.
+        device: this trainer rank's GPU (the CPU: tests).
+        rename: trainer name -> checkpoint name (:mod:`sgl_rollout.checkpoint_names`), or None.
+
+    The buffer holds one bucket (the largest of any destination's plan), reused for every bucket.
+    """
+
+    def __init__(self, plans: Sequence[dict], device, rename: Optional[Callable[[str], str]] = None):
+        self.layouts = [layout([Chunk.from_list(c) for c in p["chunks"]], int(p["bucket_bytes"])) for p in plans]
+        self.program = _SendProgram(self.layouts)
+        self.device, self.rename = torch.device(device), rename
+        first = plans[0]
+        specs = {n: ParamSpec(tuple(shape), dtype_of(dt)) for n, dt, shape in first["manifest"]}
+        self.manifest = WeightManifest(specs, optional=first.get("optional", ()))
+        self.buffer: Optional[torch.Tensor] = None
+        self._feed: Optional[_SourceFeed] = None
+
+    @property
+    def seen(self) -> int:
+        """Tensors read from the stream by the last :meth:`buckets`."""
+        return self._feed.seen if self._feed is not None else 0
+
+    def buckets(self, named_tensors: Iterable) -> Iterable[Tuple[int, int, torch.Tensor]]:
+        """``(destination, bucket, bytes)`` in send order; each view is valid until the next one is made.
+
+        Raises:
+            SyncValidationError: a tensor does not match the manifest, or the stream ended without some
+                weights of a plan (before the bucket that needed them).
+        """
+        prog = self.program
+        named = ((self.rename(n), t) for n, t in named_tensors) if self.rename else named_tensors
+        feed = self._feed = _SourceFeed(named, SyncValidator(self.manifest), prog.last_use)
+        size = max(prog.buffer_bytes)
+        if self.buffer is None or self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        buf = self.buffer
+        with torch.no_grad():
+            for b in range(prog.n_buckets):
+                feed.take(b, prog.needed[b])
+                for d, ops in enumerate(prog.ops):
+                    if b < len(ops):
+                        _gather(ops[b], feed.held, buf, lambda srcs, o=ops[b]: [op.dst_view(buf) for op in o.ops])
+                        yield d, b, buf[: prog.sizes[d][b]]
+                feed.drop(prog.drop_after[b])
+            feed.finish()
+
+
+def _drain(named_tensors) -> None:
+    for _ in named_tensors:  # verl's generators gather collectively: every trainer rank reads to the end
+        pass
+
+
+def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_tensors: Iterable,
+                      renamer: Optional[Callable[[dict], Optional[Callable[[str], str]]]] = None) -> SyncStats:
+    """One sync from this trainer rank to its rollout TP ranks ``peers`` (``(group rank, rollout index)``):
+    read each one's plan from the store (:func:`plan_key`), pack and send its buckets, end each link.
+    ``renamer(plan)`` gives the trainer name -> checkpoint name function for the model the first plan
+    names (its ``model_path``; None: names unchanged).
+
+    A rank without peers reads ``named_tensors`` to the end and sends nothing.
+
+    Returns:
+        SyncStats: ``bytes`` sent (all links), ``n_buckets``, ``n_tensors`` read, ``max_bucket_bytes``
+        (the buffer), ``seconds``.
+
+    Raises:
+        SyncValidationError: the weights failed the manifest check (every link got the message).
+        TrainerRefused: a rollout rank published an error instead of its plan (the others got it too).
+        whatever ``named_tensors`` raises. In each case every link still open was ended with ERROR and
+        ``named_tensors`` was read to the end.
+    """
+    t0, stats = time.perf_counter(), SyncStats()
+    items = iter(named_tensors)
+    if not peers:
+        _drain(items)
+        return stats
+    wire, open_links, b = _Wire(group), [], 0
+    try:
+        plans = [group.take(plan_key(index)) for _, index in peers]
+        open_links = [rank for (rank, _), p in zip(peers, plans) if "error" not in p]
+        refused = [f"rollout worker {index}: {p['error']}" for (_, index), p in zip(peers, plans) if "error" in p]
+        if refused:
+            raise TrainerRefused("; ".join(refused))
+        packer = PlanPacker(plans, group.device, renamer(plans[0]) if renamer is not None else None)
+        for d, b, view in packer.buckets(items):
+            wire.send_head(peers[d][0], OK, b, view.numel())
+            group.send(view, peers[d][0])
+            stats.n_buckets += 1
+            stats.bytes += view.numel()
+        for rank in open_links:
+            wire.send_head(rank, END, b, 0)
+        open_links = []
+        stats.n_tensors, stats.max_bucket_bytes = packer.seen, packer.buffer.numel()
+    except BaseException as exc:
+        for rank in open_links:
+            try:
+                wire.send_error(rank, b, f"{type(exc).__name__}: {exc}")
+            except Exception:  # noqa: BLE001 - the sync's own error is the one to raise
+                logger.exception("could not tell rollout rank %d that the sync failed", rank)
+        _drain(items)
+        raise
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+# ====================================================================== rollout side
+class PlanReceipt:
+    """What a rollout worker needs for one sync from its trainer rank: the group, the trainer's group
+    rank (``source``) and this worker's rollout index (the plan's store key).
+
+    Handed by the checkpoint engine's ``receive_weights`` to the rollout adapter, which runs
+    :func:`receive_plan_buckets` with it inside the engine's sync fence.
+    """
+
+    def __init__(self, group: PeerGroup, source: int, index: int):
+        self.group, self.source, self.index = group, int(source), int(index)
+
+    def publish(self, plan: dict) -> None:
+        """Offer this worker's plan for this sync."""
+        self.group.publish(plan_key(self.index), plan)
+
+    def refuse(self, why: str) -> None:
+        """Tell the trainer rank this worker will not take this sync (it raises :class:`TrainerRefused`)."""
+        self.group.publish(plan_key(self.index), {"error": why})
+
+
+class _Link:
+    """The rollout end of one link: receives bucket after bucket into the fast path's buffer views."""
+
+    def __init__(self, receipt: PlanReceipt, n_buckets: int):
+        self.wire, self.src, self.n_buckets = _Wire(receipt.group), receipt.source, n_buckets
+        self.next, self.ended, self.error = 0, False, ""
+
+    def _head(self, expect_b: int, expect_n: int) -> bool:
+        """Read a header; True for a bucket. Records the trainer's error or END."""
+        code, b, n = self.wire.recv_head(self.src)
+        if code == ERROR:
+            self.ended, self.error = True, self.wire.recv_error(self.src, n)
+            return False
+        if code == END:
+            self.ended = True
+            if expect_n:
+                self.error = f"the trainer ended the sync at bucket {self.next} of {self.n_buckets}"
+            return False
+        if (code, b, n) != (OK, expect_b, expect_n):
+            raise FastPathError(f"the trainer's bucket ({code}, {b}, {n} bytes) is not bucket {expect_b} of "
+                                f"{expect_n} bytes of this rank's copy plan: the two sides' plans differ")
+        return True
+
+    def fill(self, i: int, b: int, view: torch.Tensor) -> None:
+        """Receive bucket ``b`` into ``view`` (served rank ``i``: the adapter serves one)."""
+        if self.ended or not self._head(b, view.numel()):
+            raise TrainerRefused(f"the trainer ended the sync: {self.error}")
+        self.wire.group.recv(view, self.src)
+        self.next = b + 1
+
+    def finish(self, scratch: Callable[[int], torch.Tensor], sizes: Sequence[int]) -> None:
+        """Read the link to its end: buckets not taken (after a failure here) into ``scratch(n)``, then END.
+
+        Raises:
+            TrainerRefused: the trainer ended the sync with an error (after every bucket, its last checks).
+        """
+        while not self.ended and self.next < self.n_buckets:
+            n = int(sizes[self.next])
+            if self._head(self.next, n):
+                self.wire.group.recv(scratch(n)[:n], self.src)
+                self.next += 1
+        if not self.ended:
+            self._head(self.next, 0)
+        if self.error:
+            raise TrainerRefused(f"the trainer ended the sync: {self.error}")
+
+
+def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Optional[dict] = None) -> SyncStats:
+    """One sync into ``sender``'s engine (one served TP rank) from the trainer rank of ``receipt``.
+
+    Call inside the engine's sync fence. Asks for the copy plan (once per engine), publishes it with
+    ``info`` (``model_path``, ``trust_remote_code``: how the trainer renames its names), receives each
+    bucket into the fast path's buffer and has the engine scatter it (:meth:`FastPathSender._plan_rounds`),
+    then frees the buffer (the engine closes its handle). On any failure it reads the link to its end,
+    so the trainer rank never waits on this one.
+
+    Returns:
+        SyncStats of the engine's rounds (``n_tensors`` 0: no tensor passes here).
+
+    Raises:
+        FastPathError: no copy plan covers the model (the trainer was told), the plans differ, or the
+            loader failed inside SGLang.
+        TrainerRefused: the trainer ended the sync (its weights failed the manifest check, say).
+    """
+    try:
+        if not sender.ensure_plan():
+            raise FastPathError(f"the copy plan does not cover this model ({sender.reason}); use "
+                                "checkpoint_engine.backend=nccl")
+        receipt.publish(dict(plan_message(sender), **(info or {})))
+    except BaseException as exc:
+        receipt.refuse(f"{type(exc).__name__}: {exc}")
+        raise
+    prog, r = sender._program, sender.tp_ranks[0]
+    link = _Link(receipt, len(prog.ops[r]))
+    t0 = sender._t_mark = time.perf_counter()
+    sender.timings = {}
+    scratch = lambda n: sender._mem.buffer(0, n)  # noqa: E731 - the buffer takes what is left
+    try:
+        with torch.no_grad():
+            stats = sender._plan_rounds(lambda b: _bucket(sender, link, b), lambda b: None, lambda: None)
+        if stats.n_buckets:
+            sender.engine.flush_cache()
+    except BaseException:
+        try:
+            link.finish(scratch, prog.sizes[r])
+        except Exception:  # noqa: BLE001 - this sync's own error is the one to raise
+            logger.debug("the link ended with the trainer's error too", exc_info=True)
+        raise
+    link.finish(scratch, prog.sizes[r])
+    sender.release()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def plan_message(sender: FastPathSender, i: int = 0) -> dict:
+    """What a trainer rank needs to pack served rank ``i``'s buckets of ``sender``'s engine: ``tp_rank``,
+    ``chunks`` (the engine's copy plan as :class:`~.plan.Chunk` lists), ``bucket_bytes``, ``manifest``
+    (:func:`~.plan.manifest_entries`) and ``optional`` (names a full sync may leave out). JSON-able; call
+    after ``sender.ensure_plan()`` returned True."""
+    r = sender.tp_ranks[i]
+    return dict(tp_rank=r, chunks=sender._chunks[r], bucket_bytes=sender.bucket_bytes,
+                manifest=manifest_entries(sender.manifest), optional=sorted(sender.manifest.optional))
+
+
+def _bucket(sender: FastPathSender, link: _Link, b: int) -> List[tuple]:
+    """The served rank's (header, buffer) of bucket ``b``, received over ``link``."""
+    prog, r = sender._program, sender.tp_ranks[0]
+    plan_id = sender._plan_ids[0]
+    if b >= len(prog.ops[r]):
+        return [(dict(op="copy", plan_id=plan_id, bucket=-1), None)]
+    buf = sender._mem.buffer(0, prog.buffer_bytes[r])
+    link.fill(0, b, buf[: prog.sizes[r][b]])
+    return [(dict(op="copy", plan_id=plan_id, bucket=b), buf)]

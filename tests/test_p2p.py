@@ -1,0 +1,218 @@
+"""The copy plan's buckets sent point to point from trainer ranks into rollout TP ranks' fast-path
+buffers (:mod:`sgl_rollout.weight_sync.p2p`), on the CPU: gloo process groups over a real ``TCPStore``,
+one thread per process, SGLang-shaped TP shards behind SGLang's own unpickler (``test_fast_path``'s rig).
+"""
+
+import threading
+
+import pytest
+import torch
+
+from sgl_rollout.weight_sync.fast_path import FastPathError
+from sgl_rollout.weight_sync.manifest import SyncValidationError
+from sgl_rollout.weight_sync.p2p import PeerGroup, PlanReceipt, TrainerRefused, receive_plan_buckets, send_plan_buckets
+from test_fast_path import SGLangShaped, _as_rank, assert_same_params, hf_weights, reference, split_senders
+
+KW = dict(tie=True, qk_norm=True)
+
+
+def _free_port():
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    return get_free_port()
+
+
+class Rig:
+    """``n_trainers`` trainer ranks and one rollout replica of ``tp`` TP ranks (split fast-path senders,
+    one per rank, as under verl) in one process group; rollout worker ``k`` gets trainer ``k % n_trainers``."""
+
+    def __init__(self, n_trainers, tp, bucket_bytes=3000, uncovered=False):
+        self.a, self.tp = n_trainers, tp
+        self.models = [SGLangShaped(r, tp, uncovered=uncovered, **KW) for r in range(tp)]
+        self.tp_group, self.senders = split_senders(self.models, hf_weights(seed=0, **KW), bucket_bytes, tp)
+        port, world = _free_port(), n_trainers + tp
+        groups = [None] * world
+
+        def make(rank):
+            groups[rank] = PeerGroup("127.0.0.1", port, rank, world, "cpu", timeout_s=30)
+
+        threads = [threading.Thread(target=make, args=(r,)) for r in range(world)]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        assert all(groups), "the gloo group did not form"
+        self.groups = groups
+
+    def peers(self, j):
+        return [(self.a + k, k) for k in range(self.tp) if k % self.a == j]
+
+    def sync(self, streams):
+        """One sync; ``streams[j]``: trainer j's (name, tensor) iterable. Each thread's result or exception
+        (trainers first, then rollout ranks)."""
+        out = [None] * (self.a + self.tp)
+
+        def trainer(j):
+            try:
+                out[j] = send_plan_buckets(self.groups[j], self.peers(j), streams[j])
+            except BaseException as exc:  # noqa: BLE001 - handed to the test
+                out[j] = exc
+
+        def rollout(k):
+            receipt = PlanReceipt(self.groups[self.a + k], source=k % self.a, index=k)
+            try:
+                out[self.a + k] = _as_rank(k, lambda: receive_plan_buckets(self.senders[k], receipt))
+            except BaseException as exc:  # noqa: BLE001
+                out[self.a + k] = exc
+
+        threads = [threading.Thread(target=trainer, args=(j,)) for j in range(self.a)]
+        threads += [threading.Thread(target=rollout, args=(k,)) for k in range(self.tp)]
+        [t.start() for t in threads]
+        [t.join(90) for t in threads]
+        assert not any(t.is_alive() for t in threads), "a side of the sync hangs"
+        return out
+
+
+class Counting:
+    def __init__(self, items):
+        self.items, self.read = list(items), 0
+
+    def __iter__(self):
+        for item in self.items:
+            self.read += 1
+            yield item
+
+
+@pytest.mark.parametrize("n_trainers", [1, 2])
+def test_each_rollout_rank_gets_only_its_shard_and_the_engine_equals_load_weights(n_trainers):
+    rig = Rig(n_trainers, 2)
+    for seed in (1, 2):  # two syncs over the same groups: the plans are published again each time
+        w = hf_weights(seed=seed, **KW)
+        out = rig.sync([iter(w) for _ in range(n_trainers)])
+        assert not any(isinstance(o, BaseException) for o in out), out
+        assert_same_params(rig.models, reference(2, w, **KW))
+    # trainer j sent exactly the bytes of its rollout ranks' plans, and each rank's plan is its shard:
+    # about half the model at TP=2 (norms are whole on both), not the whole model to every rank
+    per_rank = [sum(sizes) for sizes in rig.senders[0]._program.sizes]
+    per_trainer = [sum(per_rank[k] for k in range(2) if k % n_trainers == j) for j in range(n_trainers)]
+    assert [o.bytes for o in out[:n_trainers]] == per_trainer
+    model = sum(t.numel() * t.element_size() for _, t in w)
+    assert all(n < 0.6 * model for n in per_rank), (per_rank, model)
+    assert out[n_trainers].n_buckets > 3  # many buckets: rows split between them
+    assert all(o.max_bucket_bytes <= 3000 for o in out[:n_trainers])
+    assert all(s._buffers == [None] for s in rig.senders)  # the fast path's buffer is freed after the sync
+
+
+def test_a_refused_tensor_ends_the_sync_on_every_side_and_the_next_sync_succeeds():
+    rig = Rig(1, 2)
+    w = hf_weights(seed=3, **KW)
+    bad = list(w)
+    bad[-2] = (bad[-2][0], torch.zeros(5, 5, dtype=torch.bfloat16))  # late: buckets were sent before it
+    stream = Counting(bad)
+    out = rig.sync([iter(stream)])
+    assert isinstance(out[0], SyncValidationError) and bad[-2][0] in str(out[0]), out
+    assert stream.read == len(bad)  # the trainer read its (collective) generator to the end
+    for o in out[1:]:
+        assert isinstance(o, TrainerRefused) and bad[-2][0] in str(o), o
+    out = rig.sync([iter(w)])
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert_same_params(rig.models, reference(2, w, **KW))
+
+
+def test_a_rollout_rank_without_a_covered_plan_tells_the_trainer():
+    rig = Rig(1, 2, uncovered=True)
+    stream = Counting(hf_weights(seed=4, **KW))
+    out = rig.sync([iter(stream)])
+    assert isinstance(out[0], TrainerRefused) and "does not cover" in str(out[0]), out
+    assert all(isinstance(o, FastPathError) for o in out[1:]), out
+    assert stream.read == len(stream.items)
+
+
+def test_verl_drives_the_backend_as_its_checkpoint_engine_manager_does():
+    """``checkpoint_engine.backend=sgl_rollout`` through verl's registry and its manager's contract
+    (``verl/checkpoint_engine/base.py``): trainers made with ``is_master``, rollout workers without;
+    ``prepare`` on all, ``build_topology``'s lists as long as each group, ``init_process_group``, the
+    trainers' ``send_weights`` and the rollout workers' ``receive_weights`` (handed to the adapter,
+    here the fast path directly), ``finalize``; two syncs over the one group."""
+    import asyncio
+
+    pytest.importorskip("verl")
+    import verl  # noqa: F401 - loads this package's plugin, which registers the backend
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    from sgl_rollout.integrations.verl_checkpoint_engine import BACKEND, WIRE_FORMAT
+    from sgl_rollout.weight_sync.p2p import PlanReceipt
+
+    a, tp = 2, 2
+    trainers = [CheckpointEngineRegistry.new(BACKEND, is_master=(j == 0), bucket_size=1 << 20) for j in range(a)]
+    rollouts = [CheckpointEngineRegistry.new(BACKEND, bucket_size=1 << 20) for _ in range(tp)]
+    assert rollouts[0].wire_format == WIRE_FORMAT
+    models = [SGLangShaped(r, tp, **KW) for r in range(tp)]
+    _, senders = split_senders(models, hf_weights(seed=0, **KW), 3000, tp)
+    for seed in (5, 6):
+        with _stub_node_ip():
+            metadata = [t.prepare() for t in trainers] + [r.prepare() for r in rollouts]
+        assert [m["role"] for m in metadata] == ["trainer"] * a + ["rollout"] * tp
+        actor_kwargs, rollout_kwargs = type(trainers[0]).build_topology(a, tp, metadata)
+        assert all(len(v) == a for v in actor_kwargs.values()) and all(len(v) == tp for v in rollout_kwargs.values())
+        engines = trainers + rollouts
+        kwargs = [{k: v[j] for k, v in actor_kwargs.items()} for j in range(a)]
+        kwargs += [{k: v[k2] for k, v in rollout_kwargs.items()} for k2 in range(tp)]
+        threads = [threading.Thread(target=e.init_process_group, kwargs=kw) for e, kw in zip(engines, kwargs)]
+        [t.start() for t in threads]
+        [t.join(60) for t in threads]
+        groups = [e._group for e in engines]
+        assert all(groups)
+        w = hf_weights(seed=seed, **KW)
+        out = [None] * (a + tp)
+
+        def trainer(j):
+            try:
+                out[j] = asyncio.run(trainers[j].send_weights(iter(w), global_steps=seed))
+            except BaseException as exc:  # noqa: BLE001
+                out[j] = exc
+
+        def rollout(k):
+            try:
+                receipt = rollouts[k].receive_weights(global_steps=seed)
+                assert isinstance(receipt, PlanReceipt) and receipt.source == k % a
+                out[a + k] = _as_rank(k, lambda: receive_plan_buckets(senders[k], receipt))
+            except BaseException as exc:  # noqa: BLE001
+                out[a + k] = exc
+
+        threads = [threading.Thread(target=trainer, args=(j,)) for j in range(a)]
+        threads += [threading.Thread(target=rollout, args=(k,)) for k in range(tp)]
+        [t.start() for t in threads]
+        [t.join(90) for t in threads]
+        assert not any(isinstance(o, BaseException) for o in out), out
+        assert all(o["sgl_rollout/send_bytes"] > 0 for o in out[:a])
+        assert_same_params(models, reference(tp, w, **KW))
+        [e.finalize() for e in engines]
+        if seed == 5:
+            first = groups
+    assert all(g is f for g, f in zip(groups, first))  # the group lived across both syncs
+
+
+class _stub_node_ip:
+    """verl's trainer rank 0 names its node's address through Ray; here the loopback."""
+
+    def __enter__(self):
+        from sgl_rollout.integrations import verl_checkpoint_engine as ce
+
+        self.ce, self.old = ce, ce._node_ip
+        ce._node_ip = lambda: "127.0.0.1"
+
+    def __exit__(self, *exc):
+        self.ce._node_ip = self.old
+
+
+@pytest.mark.parametrize("cfg", [
+    {"checkpoint_engine": {"backend": "sgl_rollout"}, "engine_kwargs": {"sgl_rollout": {"fast_sync": False}}},
+    {"checkpoint_engine": {"backend": "sgl_rollout"}, "quantization": "fp8"},
+])
+def test_the_backend_without_the_fast_path_is_refused_at_start_up_in_one_line(cfg):
+    from sgl_rollout.integrations.verl_config import ROLLOUT_PREFIX, UnsupportedVerlFeature, check_verl_features
+
+    with pytest.raises(UnsupportedVerlFeature) as e:
+        check_verl_features(cfg)
+    lines = str(e.value).splitlines()[1:]
+    assert len(lines) == 1 and lines[0].strip().startswith(f"{ROLLOUT_PREFIX}.checkpoint_engine.backend='sgl_rollout'")
+    check_verl_features({"checkpoint_engine": {"backend": "sgl_rollout"}})  # fast path on (the default): served
