@@ -216,3 +216,104 @@ def test_the_backend_without_the_fast_path_is_refused_at_start_up_in_one_line(cf
     lines = str(e.value).splitlines()[1:]
     assert len(lines) == 1 and lines[0].strip().startswith(f"{ROLLOUT_PREFIX}.checkpoint_engine.backend='sgl_rollout'")
     check_verl_features({"checkpoint_engine": {"backend": "sgl_rollout"}})  # fast path on (the default): served
+
+
+# ====================================================================== through the adapter
+# SglRolloutAdapter._receive_plan as verl's CheckpointEngineWorker reaches it (wire_format sgl_rollout_plan):
+# test_verl_fast_path's rig (one adapter per TP rank on threads, the engine actor a double running the
+# real loader), fed by trainer threads over gloo.
+
+@pytest.fixture
+def ray_get(monkeypatch):
+    """The engine actor double answers in place: ``ray.get`` reads its answer (as in test_verl_fast_path)."""
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda answer: answer.fn())
+
+
+def _adapter_rig(n_trainers=2, tp=2, refuse=()):
+    from test_verl_fast_path import make
+
+    models, server, group, adapters = make(tp_size=tp, refuse=refuse, **KW)
+    port, world = _free_port(), n_trainers + tp
+    groups = [None] * world
+
+    def mk(rank):
+        groups[rank] = PeerGroup("127.0.0.1", port, rank, world, "cpu", timeout_s=30)
+
+    threads = [threading.Thread(target=mk, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    return models, server, adapters, groups
+
+
+def _adapter_sync(adapters, groups, streams, steps=7):
+    import asyncio
+
+    a, tp = len(streams), len(adapters)
+    out = [None] * (a + tp)
+
+    def trainer(j):
+        try:
+            out[j] = send_plan_buckets(groups[j], [(a + k, k) for k in range(tp) if k % a == j], streams[j])
+        except BaseException as exc:  # noqa: BLE001
+            out[j] = exc
+
+    def rollout(k):
+        receipt = PlanReceipt(groups[a + k], source=k % a, index=k)
+        try:
+            out[a + k] = asyncio.run(adapters[k]._receive_plan(receipt, steps))
+        except BaseException as exc:  # noqa: BLE001
+            out[a + k] = exc
+
+    threads = [threading.Thread(target=trainer, args=(j,)) for j in range(a)]
+    threads += [threading.Thread(target=rollout, args=(k,)) for k in range(tp)]
+    [t.start() for t in threads]
+    [t.join(90) for t in threads]
+    assert not any(t.is_alive() for t in threads), "a side of the sync hangs"
+    return out
+
+
+def test_the_adapter_receives_in_the_engines_fence_and_frees_its_buffer(ray_get):
+    models, server, adapters, groups = _adapter_rig()
+    for seed in (1, 2):
+        w = hf_weights(seed=seed, **KW)
+        out = _adapter_sync(adapters, groups, [iter(w), iter(w)], steps=seed)
+        assert out[2:] == [None, None] and not any(isinstance(o, BaseException) for o in out), out
+        assert_same_params(models, reference(2, w, **KW))
+        assert not any(a._fast.holds_buffers for a in adapters)
+    assert server.finished() == [True, True] and [a.base_syncs for a in adapters] == [2, 2]
+    steps = [kw.get("global_steps") for m, kw in server.calls if m == "finish_weight_sync"]
+    assert steps == [1, 2]
+
+
+def test_a_refused_fence_tells_the_trainers_and_nothing_hangs(ray_get):
+    models, server, adapters, groups = _adapter_rig(refuse={"begin_weight_sync"})
+    stream = Counting(hf_weights(seed=3, **KW))
+    out = _adapter_sync(adapters, groups, [iter(stream), iter(hf_weights(seed=3, **KW))])
+    assert all(isinstance(o, TrainerRefused) for o in out[:2]), out
+    assert isinstance(out[2], RuntimeError) and "refused" in str(out[2]), out
+    assert isinstance(out[3], BaseException), out
+    assert stream.read == len(stream.items) and server.engine.loader_calls == 0
+
+
+def test_a_bad_tensor_fails_the_sync_everywhere_and_a_loader_failure_leaves_the_trainers_free(ray_get):
+    models, server, adapters, groups = _adapter_rig()
+    w = hf_weights(seed=4, **KW)
+    assert not any(isinstance(o, BaseException) for o in _adapter_sync(adapters, groups, [iter(w), iter(w)]))
+    bad = [(n, t[:1] if n.endswith("down_proj.weight") else t) for n, t in hf_weights(seed=5, **KW)]
+    out = _adapter_sync(adapters, groups, [iter(bad), iter(bad)])
+    assert all(isinstance(o, SyncValidationError) for o in out[:2]), out
+    assert all(isinstance(o, BaseException) for o in out[2:]), out
+    assert server.finished()[-1] is False
+    # the failed sync made the senders ask for the copy plan again; a good sync does, then rank 1's loader
+    # fails inside the engine at the first bucket
+    assert not any(isinstance(o, BaseException) for o in _adapter_sync(adapters, groups, [iter(w), iter(w)]))
+    adapters[1]._fast.fault = "raise"
+    out = _adapter_sync(adapters, groups, [iter(w), iter(w)])
+    assert not any(isinstance(o, BaseException) for o in out[:2]), out  # the trainers were read to the end
+    assert all(isinstance(o, FastPathError) and "TP rank 1" in str(o) for o in out[2:]), out
+    w = hf_weights(seed=6, **KW)
+    assert not any(isinstance(o, BaseException) for o in _adapter_sync(adapters, groups, [iter(w), iter(w)]))
+    assert_same_params(models, reference(2, w, **KW))
+    assert server.finished()[-1] is True
