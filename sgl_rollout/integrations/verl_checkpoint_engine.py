@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import trace
 from ..weight_sync.p2p import PeerGroup, PlanReceipt, send_plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ def _backend_class():
             self._key: Optional[tuple] = None
             self.peers: List[Tuple[int, int]] = []
 
+        @trace.traced("ckpt.prepare")
         def prepare(self) -> Dict[str, Any]:
             """This worker's metadata; trainer rank 0 names the group's store (the same address while
             the group lives). Allocates nothing."""
@@ -117,6 +119,7 @@ def _backend_class():
                 raise RuntimeError("trainer rank 0 gave no store address: was it made with is_master=True?")
             return topology(actor_wg_world_size, rollout_world_size, tuple(master))
 
+        @trace.traced("ckpt.init_group")
         def init_process_group(self, rank: int, world_size: int, master, peers):
             """Join the group (kept when the same rank, size and store come again)."""
             key = (tuple(master), int(rank), int(world_size))
@@ -126,9 +129,11 @@ def _backend_class():
                 self._key = key
             self.peers = [tuple(p) for p in peers]
 
+        @trace.traced("ckpt.finalize")
         def finalize(self):
             """Nothing: the group and its store stay for the next sync."""
 
+        @trace.traced("ckpt.send")
         async def send_weights(self, weights, global_steps: Optional[int] = None):
             """Send this trainer rank's rollout workers their plans' bytes (every rank reads ``weights``
             to the end: verl's generator gathers collectively); returns verl's sync metrics (seconds, bytes).

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import trace
 from .fast_path import FastPathError, FastPathSender, _gather, _SendProgram, _SourceFeed
 from .manifest import ParamSpec, SyncValidator, WeightManifest
 from .plan import Chunk, dtype_of, layout, manifest_entries
@@ -315,6 +316,7 @@ class _Link:
             raise TrainerRefused(f"the trainer ended the sync: {self.error}")
 
 
+@trace.traced("ckpt.receive")
 def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Optional[dict] = None) -> SyncStats:
     """One sync into ``sender``'s engine (one served TP rank) from the trainer rank of ``receipt``.
 
