@@ -22,6 +22,33 @@ def _free_port():
     return get_free_port()
 
 
+def on_threads(calls, timeout_s=90):
+    """Each callable on a thread of its own, as each process would run its side; each one's result or
+    raised exception, in order. Fails when a thread is still running after ``timeout_s`` (a hang)."""
+    out = [None] * len(calls)
+
+    def body(i):
+        try:
+            out[i] = calls[i]()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(len(calls))]
+    [t.start() for t in threads]
+    [t.join(timeout_s) for t in threads]
+    assert not any(t.is_alive() for t in threads), "a side of the sync hangs"
+    return out
+
+
+def gloo_groups(world):
+    """One gloo :class:`PeerGroup` per rank of ``world``, each made on a thread of its own (as each
+    process makes its own), over a fresh store address."""
+    port = _free_port()
+    groups = on_threads([lambda r=r: PeerGroup("127.0.0.1", port, r, world, "cpu", timeout_s=30) for r in range(world)])
+    assert all(isinstance(g, PeerGroup) for g in groups), groups
+    return groups
+
+
 class Rig:
     """``n_trainers`` trainer ranks and one rollout replica of ``tp`` TP ranks (split fast-path senders,
     one per rank, as under verl) in one process group; rollout worker ``k`` gets trainer ``k % n_trainers``."""
@@ -30,17 +57,7 @@ class Rig:
         self.a, self.tp = n_trainers, tp
         self.models = [SGLangShaped(r, tp, uncovered=uncovered, **KW) for r in range(tp)]
         self.tp_group, self.senders = split_senders(self.models, hf_weights(seed=0, **KW), bucket_bytes, tp)
-        port, world = _free_port(), n_trainers + tp
-        groups = [None] * world
-
-        def make(rank):
-            groups[rank] = PeerGroup("127.0.0.1", port, rank, world, "cpu", timeout_s=30)
-
-        threads = [threading.Thread(target=make, args=(r,)) for r in range(world)]
-        [t.start() for t in threads]
-        [t.join(60) for t in threads]
-        assert all(groups), "the gloo group did not form"
-        self.groups = groups
+        self.groups = gloo_groups(n_trainers + tp)
 
     def peers(self, j):
         return [(self.a + k, k) for k in range(self.tp) if k % self.a == j]
@@ -48,27 +65,10 @@ class Rig:
     def sync(self, streams):
         """One sync; ``streams[j]``: trainer j's (name, tensor) iterable. Each thread's result or exception
         (trainers first, then rollout ranks)."""
-        out = [None] * (self.a + self.tp)
-
-        def trainer(j):
-            try:
-                out[j] = send_plan_buckets(self.groups[j], self.peers(j), streams[j])
-            except BaseException as exc:  # noqa: BLE001 - handed to the test
-                out[j] = exc
-
-        def rollout(k):
-            receipt = PlanReceipt(self.groups[self.a + k], source=k % self.a, index=k)
-            try:
-                out[self.a + k] = _as_rank(k, lambda: receive_plan_buckets(self.senders[k], receipt))
-            except BaseException as exc:  # noqa: BLE001
-                out[self.a + k] = exc
-
-        threads = [threading.Thread(target=trainer, args=(j,)) for j in range(self.a)]
-        threads += [threading.Thread(target=rollout, args=(k,)) for k in range(self.tp)]
-        [t.start() for t in threads]
-        [t.join(90) for t in threads]
-        assert not any(t.is_alive() for t in threads), "a side of the sync hangs"
-        return out
+        trainers = [lambda j=j: send_plan_buckets(self.groups[j], self.peers(j), streams[j]) for j in range(self.a)]
+        rollouts = [lambda k=k: _as_rank(k, lambda: receive_plan_buckets(
+            self.senders[k], PlanReceipt(self.groups[self.a + k], source=k % self.a, index=k))) for k in range(self.tp)]
+        return on_threads(trainers + rollouts)
 
 
 class Counting:
@@ -156,32 +156,17 @@ def test_verl_drives_the_backend_as_its_checkpoint_engine_manager_does():
         engines = trainers + rollouts
         kwargs = [{k: v[j] for k, v in actor_kwargs.items()} for j in range(a)]
         kwargs += [{k: v[k2] for k, v in rollout_kwargs.items()} for k2 in range(tp)]
-        threads = [threading.Thread(target=e.init_process_group, kwargs=kw) for e, kw in zip(engines, kwargs)]
-        [t.start() for t in threads]
-        [t.join(60) for t in threads]
+        on_threads([lambda e=e, kw=kw: e.init_process_group(**kw) for e, kw in zip(engines, kwargs)])
         groups = [e._group for e in engines]
         assert all(groups)
         w = hf_weights(seed=seed, **KW)
-        out = [None] * (a + tp)
-
-        def trainer(j):
-            try:
-                out[j] = asyncio.run(trainers[j].send_weights(iter(w), global_steps=seed))
-            except BaseException as exc:  # noqa: BLE001
-                out[j] = exc
-
         def rollout(k):
-            try:
-                receipt = rollouts[k].receive_weights(global_steps=seed)
-                assert isinstance(receipt, PlanReceipt) and receipt.source == k % a
-                out[a + k] = _as_rank(k, lambda: receive_plan_buckets(senders[k], receipt))
-            except BaseException as exc:  # noqa: BLE001
-                out[a + k] = exc
+            receipt = rollouts[k].receive_weights(global_steps=seed)
+            assert isinstance(receipt, PlanReceipt) and receipt.source == k % a
+            return _as_rank(k, lambda: receive_plan_buckets(senders[k], receipt))
 
-        threads = [threading.Thread(target=trainer, args=(j,)) for j in range(a)]
-        threads += [threading.Thread(target=rollout, args=(k,)) for k in range(tp)]
-        [t.start() for t in threads]
-        [t.join(90) for t in threads]
+        out = on_threads([lambda j=j: asyncio.run(trainers[j].send_weights(iter(w), global_steps=seed))
+                          for j in range(a)] + [lambda k=k: rollout(k) for k in range(tp)])
         assert not any(isinstance(o, BaseException) for o in out), out
         assert all(o["sgl_rollout/send_bytes"] > 0 for o in out[:a])
         assert_same_params(models, reference(tp, w, **KW))
@@ -235,43 +220,18 @@ def _adapter_rig(n_trainers=2, tp=2, refuse=()):
     from test_verl_fast_path import make
 
     models, server, group, adapters = make(tp_size=tp, refuse=refuse, **KW)
-    port, world = _free_port(), n_trainers + tp
-    groups = [None] * world
-
-    def mk(rank):
-        groups[rank] = PeerGroup("127.0.0.1", port, rank, world, "cpu", timeout_s=30)
-
-    threads = [threading.Thread(target=mk, args=(r,)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    return models, server, adapters, groups
+    return models, server, adapters, gloo_groups(n_trainers + tp)
 
 
 def _adapter_sync(adapters, groups, streams, steps=7):
     import asyncio
 
     a, tp = len(streams), len(adapters)
-    out = [None] * (a + tp)
-
-    def trainer(j):
-        try:
-            out[j] = send_plan_buckets(groups[j], [(a + k, k) for k in range(tp) if k % a == j], streams[j])
-        except BaseException as exc:  # noqa: BLE001
-            out[j] = exc
-
-    def rollout(k):
-        receipt = PlanReceipt(groups[a + k], source=k % a, index=k)
-        try:
-            out[a + k] = asyncio.run(adapters[k]._receive_plan(receipt, steps))
-        except BaseException as exc:  # noqa: BLE001
-            out[a + k] = exc
-
-    threads = [threading.Thread(target=trainer, args=(j,)) for j in range(a)]
-    threads += [threading.Thread(target=rollout, args=(k,)) for k in range(tp)]
-    [t.start() for t in threads]
-    [t.join(90) for t in threads]
-    assert not any(t.is_alive() for t in threads), "a side of the sync hangs"
-    return out
+    trainers = [lambda j=j: send_plan_buckets(groups[j], [(a + k, k) for k in range(tp) if k % a == j], streams[j])
+                for j in range(a)]
+    rollouts = [lambda k=k: asyncio.run(adapters[k]._receive_plan(PlanReceipt(groups[a + k], source=k % a, index=k),
+                                                                  steps)) for k in range(tp)]
+    return on_threads(trainers + rollouts)
 
 
 def test_the_adapter_receives_in_the_engines_fence_and_frees_its_buffer(ray_get):
@@ -317,3 +277,59 @@ def test_a_bad_tensor_fails_the_sync_everywhere_and_a_loader_failure_leaves_the_
     assert not any(isinstance(o, BaseException) for o in _adapter_sync(adapters, groups, [iter(w), iter(w)]))
     assert_same_params(models, reference(2, w, **KW))
     assert server.finished()[-1] is True
+
+
+def test_the_backend_refuses_a_rollout_worker_on_its_trainers_gpu_and_rebuilds_for_a_new_layout():
+    pytest.importorskip("verl")
+    import asyncio
+
+    import verl  # noqa: F401
+    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+    from sgl_rollout.integrations.verl_checkpoint_engine import BACKEND
+
+    cls = CheckpointEngineRegistry.get(BACKEND)
+    meta = [{"role": "trainer", "master": ["127.0.0.1", 1], "gpu": "GPU-a"}, {"role": "rollout", "master": None,
+                                                                             "gpu": "GPU-a"}]
+    with pytest.raises(ValueError, match="share a GPU"):
+        cls.build_topology(1, 1, meta)
+    meta[1]["gpu"] = "GPU-b"
+    assert cls.build_topology(1, 1, meta)[1]["peers"] == [[(0, 0)]]
+
+    # one trainer and one rollout worker, then a second rollout worker joins (verl's add_replicas): the
+    # group is rebuilt on the same store address, and a sync goes through it
+    trainer = CheckpointEngineRegistry.new(BACKEND, is_master=True, bucket_size=1 << 20)
+    rollouts = [CheckpointEngineRegistry.new(BACKEND, bucket_size=1 << 20) for _ in range(2)]
+    with _stub_node_ip():
+        master = trainer.prepare()["master"]
+
+    def join(engines, n):
+        with _stub_node_ip():
+            meta = [e.prepare() for e in engines]
+        assert meta[0]["master"] == master  # the store's address stays
+        actor, rollout = cls.build_topology(1, n, meta)
+        kw = [{k: v[0] for k, v in actor.items()}] + [{k: v[i] for k, v in rollout.items()} for i in range(n)]
+        assert not any(on_threads([lambda e=e, k=k: e.init_process_group(**k) for e, k in zip(engines, kw)]))
+
+    join([trainer, rollouts[0]], 1)
+    first = trainer._group
+    join([trainer, rollouts[0]], 1)
+    assert trainer._group is first  # the same layout keeps its group
+    join([trainer, *rollouts], 2)
+    assert trainer._group is not first and first.pg is None  # the old group was shut down
+    assert all(e._group is not None for e in (trainer, *rollouts))
+    from test_fast_path import SGLangLikeEngine, manifest_of
+    from sgl_rollout.weight_sync.fast_path import FastPathSender
+
+    models = [SGLangShaped(0, 1, **KW), SGLangShaped(0, 1, **KW)]
+    w0 = hf_weights(seed=0, **KW)
+    # two one-rank engines in one process: the loader keys its parameter map by plan id, so their plans
+    # must differ (in SGLang each engine's scheduler is a process of its own): other bucket sizes
+    senders = [FastPathSender(SGLangLikeEngine([m]), manifest_of(w0), b, devices=["cpu"])
+               for m, b in zip(models, (3000, 4096))]
+    w = hf_weights(seed=8, **KW)
+    out = on_threads([lambda: asyncio.run(trainer.send_weights(iter(w)))] +
+                     [lambda k=k: receive_plan_buckets(senders[k], rollouts[k].receive_weights()) for k in range(2)])
+    assert not any(isinstance(o, BaseException) for o in out) and out[0]["sgl_rollout/send_bytes"] > 0, out
+    for m in models:
+        assert_same_params([m], reference(1, w, **KW))

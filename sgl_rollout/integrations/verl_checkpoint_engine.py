@@ -35,6 +35,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
+
 from .. import trace
 from ..weight_sync.p2p import PeerGroup, PlanReceipt, send_plan_buckets
 
@@ -59,6 +61,13 @@ def _free_port() -> int:
     return get_free_port()
 
 
+def _gpu_uuid() -> Optional[str]:
+    """This process's GPU's UUID (None without CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
 def topology(actor_world: int, rollout_world: int, master: Tuple[str, int]) -> Tuple[Dict[str, list], Dict[str, list]]:
     """``init_process_group`` arguments of every trainer and rollout worker (verl's ``build_topology``
     contract: one list per argument, as long as each worker group).
@@ -76,80 +85,102 @@ def topology(actor_world: int, rollout_world: int, master: Tuple[str, int]) -> T
     return actor, rollout
 
 
-def _backend_class():
-    """The backend class, a subclass of verl's ``CheckpointEngine`` (made on first use: verl imports
-    lazily here)."""
-    from verl.checkpoint_engine.base import CheckpointEngine
+class SglRolloutCheckpointEngine(CheckpointEngine):
+    """verl checkpoint engine ``sgl_rollout`` (see the module docstring).
 
-    class SglRolloutCheckpointEngine(CheckpointEngine):
-        """verl checkpoint engine ``sgl_rollout`` (see the module docstring).
+    Args:
+        bucket_size: verl's ``update_weights_bucket_megabytes`` in bytes; unused: the buckets are the
+            rollout engine's copy plan, made with this package's bucket size.
+        is_master: given by verl's trainer workers only (``verl/workers/engine_workers.py``: trainer
+            rank 0 is True); its absence marks a rollout worker (``CheckpointEngineWorker``).
+        timeout_s: seconds a store read or a transfer may wait before it raises.
+    """
 
-        Args:
-            bucket_size: verl's ``update_weights_bucket_megabytes`` in bytes; unused: the buckets are the
-                rollout engine's copy plan, made with this package's bucket size.
-            is_master: given by verl's trainer workers only (``verl/workers/engine_workers.py``: trainer
-                rank 0 is True); its absence marks a rollout worker (``CheckpointEngineWorker``).
-            timeout_s: seconds a store read or a transfer may wait before it raises.
+    wire_format = WIRE_FORMAT
+
+    def __init__(self, bucket_size: int = 0, is_master: Optional[bool] = None, timeout_s: float = 600.0, **_):
+        self.trainer = is_master is not None
+        self.is_master = bool(is_master)
+        self.timeout_s = float(timeout_s)
+        self._master: Optional[Tuple[str, int]] = None
+        self._group: Optional[PeerGroup] = None
+        self._key: Optional[tuple] = None
+        self.peers: List[Tuple[int, int]] = []
+
+    @trace.traced("ckpt.prepare")
+    def prepare(self) -> Dict[str, Any]:
+        """This worker's metadata; trainer rank 0 names the group's store (the same address while
+        the group lives). Allocates nothing."""
+        if self.is_master and self._master is None:
+            self._master = (_node_ip(), _free_port())
+        return {"role": "trainer" if self.trainer else "rollout", "master": self._master, "gpu": _gpu_uuid()}
+
+    @classmethod
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
+        """:func:`topology`, with trainer rank 0's store address (``metadata[0]``).
+
+        Raises:
+            RuntimeError: trainer rank 0 named no store.
+            ValueError: a rollout worker shares its GPU with the trainer rank that would serve it
+                (colocated replicas: NCCL cannot send between two ranks of one GPU; use ``naive``).
         """
+        master = metadata[0]["master"]
+        if master is None:
+            raise RuntimeError("trainer rank 0 gave no store address: was it made with is_master=True?")
+        a = int(actor_wg_world_size)
+        shared = [k for k in range(int(rollout_world_size))
+                  if metadata[a + k].get("gpu") and metadata[a + k].get("gpu") == metadata[k % a].get("gpu")]
+        if shared:
+            raise ValueError(f"checkpoint_engine.backend={BACKEND} sends between GPUs, but rollout workers {shared} "
+                             "share a GPU with the trainer rank that would serve them (colocated replicas); "
+                             "use checkpoint_engine.backend=naive there")
+        layout = (a, int(rollout_world_size), tuple(master), tuple(m.get("gpu") for m in metadata))
+        if layout != cls._layout:  # a new layout (replicas added or removed): a new group, new keys
+            cls._layout, cls._generation = layout, cls._generation + 1
+        actor, rollout = topology(a, rollout_world_size, tuple(master))
+        actor["generation"] = [cls._generation] * a
+        rollout["generation"] = [cls._generation] * int(rollout_world_size)
+        return actor, rollout
 
-        wire_format = WIRE_FORMAT
+    #: the driver's last layout and its number (``build_topology`` runs in verl's driver)
+    _layout: Optional[tuple] = None
+    _generation = 0
 
-        def __init__(self, bucket_size: int = 0, is_master: Optional[bool] = None, timeout_s: float = 600.0, **_):
-            self.trainer = is_master is not None
-            self.is_master = bool(is_master)
-            self.timeout_s = float(timeout_s)
-            self._master: Optional[Tuple[str, int]] = None
-            self._group: Optional[PeerGroup] = None
-            self._key: Optional[tuple] = None
-            self.peers: List[Tuple[int, int]] = []
+    @trace.traced("ckpt.init_group")
+    def init_process_group(self, rank: int, world_size: int, master, peers, generation: int = 0):
+        """Join the group of this layout (``generation``: the driver's number of it); the group of
+        the last sync is kept while the layout is the same, else shut down and a new one made."""
+        key = (tuple(master), int(rank), int(world_size), int(generation))
+        if self._group is None or self._key != key:
+            if self._group is not None:  # another layout (replicas added or removed): a new group
+                self._group.close()
+                self._group = None
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+            self._group = PeerGroup(master[0], master[1], rank, world_size, device, timeout_s=self.timeout_s,
+                                    prefix=f"g{int(generation)}")
+            self._key = key
+        self.peers = [tuple(p) for p in peers]
 
-        @trace.traced("ckpt.prepare")
-        def prepare(self) -> Dict[str, Any]:
-            """This worker's metadata; trainer rank 0 names the group's store (the same address while
-            the group lives). Allocates nothing."""
-            if self.is_master and self._master is None:
-                self._master = (_node_ip(), _free_port())
-            return {"role": "trainer" if self.trainer else "rollout", "master": self._master}
+    @trace.traced("ckpt.finalize")
+    def finalize(self):
+        """Nothing: the group and its store stay for the next sync."""
 
-        @classmethod
-        def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
-            """:func:`topology`, with trainer rank 0's store address (``metadata[0]``)."""
-            master = metadata[0]["master"]
-            if master is None:
-                raise RuntimeError("trainer rank 0 gave no store address: was it made with is_master=True?")
-            return topology(actor_wg_world_size, rollout_world_size, tuple(master))
+    @trace.traced("ckpt.send")
+    async def send_weights(self, weights, global_steps: Optional[int] = None):
+        """Send this trainer rank's rollout workers their plans' bytes (every rank reads ``weights``
+        to the end: verl's generator gathers collectively); returns verl's sync metrics (seconds, bytes).
 
-        @trace.traced("ckpt.init_group")
-        def init_process_group(self, rank: int, world_size: int, master, peers):
-            """Join the group (kept when the same rank, size and store come again)."""
-            key = (tuple(master), int(rank), int(world_size))
-            if self._group is None or self._key != key:
-                device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-                self._group = PeerGroup(master[0], master[1], rank, world_size, device, timeout_s=self.timeout_s)
-                self._key = key
-            self.peers = [tuple(p) for p in peers]
+        Raises:
+            SyncValidationError, TrainerRefused: see :func:`~sgl_rollout.weight_sync.p2p.send_plan_buckets`.
+        """
+        stats = send_plan_buckets(self._group, self.peers, weights, renamer=_renamer)
+        return {"sgl_rollout/send_s": stats.seconds, "sgl_rollout/send_bytes": float(stats.bytes)}
 
-        @trace.traced("ckpt.finalize")
-        def finalize(self):
-            """Nothing: the group and its store stay for the next sync."""
+    def receive_weights(self, global_steps: Optional[int] = None) -> PlanReceipt:
+        """The receipt the adapter receives with (not a generator: verl hands it on unread)."""
+        (source, index), = self.peers
+        return PlanReceipt(self._group, source, index)
 
-        @trace.traced("ckpt.send")
-        async def send_weights(self, weights, global_steps: Optional[int] = None):
-            """Send this trainer rank's rollout workers their plans' bytes (every rank reads ``weights``
-            to the end: verl's generator gathers collectively); returns verl's sync metrics (seconds, bytes).
-
-            Raises:
-                SyncValidationError, TrainerRefused: see :func:`~sgl_rollout.weight_sync.p2p.send_plan_buckets`.
-            """
-            stats = send_plan_buckets(self._group, self.peers, weights, renamer=_renamer)
-            return {"sgl_rollout/send_s": stats.seconds, "sgl_rollout/send_bytes": float(stats.bytes)}
-
-        def receive_weights(self, global_steps: Optional[int] = None) -> PlanReceipt:
-            """The receipt the adapter receives with (not a generator: verl hands it on unread)."""
-            (source, index), = self.peers
-            return PlanReceipt(self._group, source, index)
-
-    return SglRolloutCheckpointEngine
 
 
 @functools.lru_cache(maxsize=4)
@@ -172,10 +203,8 @@ def register() -> bool:
         True when registered; False when verl's checkpoint engines cannot be imported (logged).
     """
     try:
-        from verl.checkpoint_engine.base import CheckpointEngineRegistry
-
         if BACKEND not in CheckpointEngineRegistry._registry:
-            CheckpointEngineRegistry.register(BACKEND)(_backend_class())
+            CheckpointEngineRegistry.register(BACKEND)(SglRolloutCheckpointEngine)
     except Exception as exc:  # noqa: BLE001 - verl would only say "not registered" much later
         logger.warning("sgl-rollout could not register checkpoint_engine.backend=%s with verl: %r", BACKEND, exc)
         return False

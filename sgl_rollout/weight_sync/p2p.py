@@ -32,8 +32,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 import time
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,29 +55,52 @@ def plan_key(index: int) -> str:
     return f"sgl_rollout/plan/{index}"
 
 
+_STORES: Dict[Tuple[str, int, bool], "torch.distributed.TCPStore"] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def _store(host: str, port: int, is_master: bool, timeout: datetime.timedelta):
+    """A ``TCPStore`` for ``host:port``: the server this process hosts there (one for the process's life,
+    made on first use), or a new client (a client's blocking reads hold its connection, so two groups
+    must not share one)."""
+    if not is_master:
+        return torch.distributed.TCPStore(host, port, None, is_master=False, timeout=timeout)
+    key = (host, port, True)
+    with _STORES_LOCK:
+        if key not in _STORES:
+            _STORES[key] = torch.distributed.TCPStore(host, port, None, is_master=True, timeout=timeout,
+                                                      wait_for_workers=False)
+        return _STORES[key]
+
+
 class PeerGroup:
     """A process group of its own over a ``TCPStore``: ranks ``0..world_size-1`` of a trainer and its
     rollout workers, apart from any ``torch.distributed`` default group the processes already have.
 
     On CUDA it is ``torch.distributed.ProcessGroupNCCL`` (send/recv make a two-rank communicator per
     pair on first use; the group is meant to live across syncs), on the CPU ``ProcessGroupGloo``
-    (tests). Rank 0 hosts the store.
+    (tests). Rank 0 hosts the store, one server per address for the process's life (:func:`_store`),
+    so a later group on the same address (another ``prefix``) never meets a store server that is going
+    away. Each group's keys, its plans' too, live under its ``prefix``.
 
     Args:
         host, port: the store's address (rank 0 listens there).
         rank, world_size: this process's rank and the group's size.
         device: where the wire's tensors live (a CUDA device: NCCL; the CPU: gloo).
         timeout_s: seconds a store read or a transfer may wait (a peer that never comes raises then).
+        prefix: the group's namespace in the store; every member must give the same one, and a new
+            group on the same store a new one.
 
     Raises:
         RuntimeError / DistNetworkError: the store could not be reached within ``timeout_s``.
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, device, timeout_s: float = 600.0):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device, timeout_s: float = 600.0,
+                 prefix: str = "g0"):
         self.rank, self.world_size, self.device = int(rank), int(world_size), torch.device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = torch.distributed.TCPStore(host, int(port), self.world_size, is_master=self.rank == 0,
-                                                timeout=timeout, wait_for_workers=False)
+        base = _store(host, int(port), self.rank == 0, timeout)
+        self.store = torch.distributed.PrefixStore(f"sgl_rollout/{prefix}/", base)
         if self.device.type == "cuda":
             opts = torch.distributed.ProcessGroupNCCL.Options()
             if hasattr(opts, "_timeout"):
@@ -84,6 +108,16 @@ class PeerGroup:
             self.pg = torch.distributed.ProcessGroupNCCL(self.store, self.rank, self.world_size, opts)
         else:
             self.pg = torch.distributed.ProcessGroupGloo(self.store, self.rank, self.world_size, timeout)
+
+    def close(self) -> None:
+        """Shut the group down (rank 0's store server stays, for the next group on it)."""
+        pg, self.pg = self.pg, None
+        shutdown = getattr(pg, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - a group that cannot shut down is dropped all the same
+                logger.debug("process group shutdown failed", exc_info=True)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` (contiguous, on :attr:`device`) to rank ``dst``; on CUDA the caller's stream
