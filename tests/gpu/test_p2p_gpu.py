@@ -10,7 +10,9 @@ sync succeeds. Prints the transfer's seconds and bytes.
 Needs 2 GPUs (``nvidia-h100-x2`` / ``nvidia-h200-x2``); not yet run on them.
 """
 
+import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -72,21 +74,28 @@ def test_point_to_point_sync_is_bit_exact_and_refusals_leave_the_engine_serving(
         worker.update_weights(_params(a.cuda(0)))  # the fast path's plan, asked once
         assert worker._fast is not None and worker._fast.covered, worker._fast and worker._fast.reason
         groups = _groups()
-        b1 = b.to("cuda:1").eval()
+        b1 = copy.deepcopy(b).to("cuda:1").eval()  # the trainer's copy on its own GPU (Module.to moves in place)
+        b = b.to("cuda:0").eval()
         sent, received = _sync(worker, groups, iter(_params(b1)))
         assert not isinstance(sent, BaseException) and not isinstance(received, BaseException), (sent, received)
         p2p = _digest(worker)
-        worker.update_weights(_params(b.to("cuda:0")), partial=True)  # SGLang's own load_weights
+        worker.update_weights(_params(b), partial=True)  # SGLang's own load_weights
         assert _digest(worker) == p2p
         worker.update_weights(_params(a.cuda(0)), partial=True)
         assert _digest(worker) != p2p
         # again through the same group; then generate on B
         t_sent, t_received = _sync(worker, groups, iter(_params(b1)))
         assert _digest(worker) == p2p
-        assert_greedy_equal(b.to("cuda:0"), PROMPTS, _greedy(worker))
+        assert_greedy_equal(b, PROMPTS, _greedy(worker))
+        # for reference, the same weights on the colocated fast path from GPU 1's tensors (the gather copies
+        # across GPUs into the buffer on GPU 0): the same bits, in this process
+        t0 = time.perf_counter()
+        worker.update_weights(_params(b1))
+        t_local = time.perf_counter() - t0
+        assert _digest(worker) == p2p
         print(f"\nP2P | qwen2 TP=1 | trainer GPU 1 -> engine GPU 0 | {t_sent.bytes} bytes in {t_sent.n_buckets} "
               f"buckets | trainer {t_sent.seconds * 1e3:.1f} ms, rollout {t_received.seconds * 1e3:.1f} ms | "
-              "bit-exact vs load_weights, greedy == HF")
+              f"fast path from GPU 1's tensors {t_local * 1e3:.1f} ms | bit-exact vs load_weights, greedy == HF")
 
         bad = _params(b1)
         bad[-1] = (bad[-1][0], torch.zeros(3, 3, device="cuda:1", dtype=torch.bfloat16))
