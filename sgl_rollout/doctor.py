@@ -102,14 +102,19 @@ def _gpus() -> Result:
 def _verl() -> str:
     if importlib.util.find_spec("verl") is None:
         return "verl not installed"
-    probe = ("import verl; from sgl_rollout.integrations.verl import resolved_implementation;"
-             "print(resolved_implementation())")
+    # verl's registries as `import verl` leaves them (importing this package's plugin module here would
+    # register it, whatever VERL_USE_EXTERNAL_PLUGINS says)
+    probe = ("import verl; from verl.workers.rollout.base import _ROLLOUT_REGISTRY as A;"
+             "from verl.checkpoint_engine.base import CheckpointEngineRegistry as R;"
+             "print(A.get(('sglang', 'async'), '<none>'), 'sgl_rollout' in R._registry)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
         return f"import failed: {out.stderr.strip().splitlines()[-1] if out.stderr.strip() else out.returncode}"
-    impl = out.stdout.strip().splitlines()[-1]
+    impl, backend = out.stdout.strip().splitlines()[-1].rsplit(" ", 1)
     ours = impl.startswith("sgl_rollout.")
-    return f"{impl} ({'this package' if ours else 'NOT this package'}; VERL_USE_EXTERNAL_PLUGINS={os.environ.get('VERL_USE_EXTERNAL_PLUGINS', '<unset>')})"
+    return (f"{impl} ({'this package' if ours else 'NOT this package'}; VERL_USE_EXTERNAL_PLUGINS="
+            f"{os.environ.get('VERL_USE_EXTERNAL_PLUGINS', '<unset>')}); checkpoint_engine.backend=sgl_rollout "
+            f"{'registered' if backend == 'True' else 'not registered'}")
 
 
 def _sglang_plugin() -> str:

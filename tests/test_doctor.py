@@ -114,3 +114,17 @@ def test_sglang_plugin_line_says_whether_schedulers_will_load_it(monkeypatch):
     assert doctor._sglang_plugin().startswith("2 registered (")
     monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [])
     assert doctor._sglang_plugin().startswith("not registered (install this package with pip")
+
+
+@pytest.mark.parametrize("plugins,ours", [(None, True), ("none", False)])
+def test_the_verl_line_reads_verls_registries_as_verl_leaves_them(monkeypatch, plugins, ours):
+    """VERL_USE_EXTERNAL_PLUGINS=none gives verl's built-in and no sgl_rollout checkpoint engine; the check
+    must not register this package itself while it looks."""
+    pytest.importorskip("verl")
+    if plugins is None:
+        monkeypatch.delenv("VERL_USE_EXTERNAL_PLUGINS", raising=False)
+    else:
+        monkeypatch.setenv("VERL_USE_EXTERNAL_PLUGINS", plugins)
+    line = doctor._verl()
+    assert ("(this package;" in line) is ours and ("NOT this package" in line) is not ours, line
+    assert line.endswith("sgl_rollout registered" if ours else "sgl_rollout not registered"), line
