@@ -42,13 +42,15 @@ def register() -> bool:
 
         _ROLLOUT_REGISTRY[(NAME, "async")] = ROLLOUT_CLASS
         RolloutReplicaRegistry.register(NAME, _load_replica)
-        from . import verl_checkpoint_engine  # registers checkpoint_engine.backend=sgl_rollout on import
-
-        verl_checkpoint_engine.register()
     except Exception as e:  # noqa: BLE001 - any failure must be loud, verl would swallow it
         logger.warning("sgl-rollout could not register with verl (rollout.name=%s stays verl's built-in): %r",
                        NAME, e, exc_info=True)
         return False
+    try:
+        from . import verl_checkpoint_engine  # noqa: F401 - registers checkpoint_engine.backend=sgl_rollout on import
+    except Exception as e:  # noqa: BLE001 - the rollout is registered; only this backend is missing
+        logger.warning("sgl-rollout could not register checkpoint_engine.backend=sgl_rollout with verl: %r", e,
+                       exc_info=True)
     logger.info("rollout.name=%s is answered by sgl-rollout (%s); VERL_USE_EXTERNAL_PLUGINS=none restores "
                 "verl's built-in", NAME, ROLLOUT_CLASS)
     return True

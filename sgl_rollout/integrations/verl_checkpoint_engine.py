@@ -182,7 +182,6 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
         return PlanReceipt(self._group, source, index)
 
 
-
 @functools.lru_cache(maxsize=4)
 def _renamer_of(model_path: str, trust_remote_code: bool):
     from ..checkpoint_names import checkpoint_renamer

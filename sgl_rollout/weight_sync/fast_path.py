@@ -348,17 +348,22 @@ class FastPathSender:
         return sum((spec.nbytes + ALIGN - 1) // ALIGN * ALIGN for spec in self.manifest.specs.values())
 
     def _gather_rank(self, i: int, r: int, b: int, feed: "_SourceFeed") -> Tuple[dict, Optional[torch.Tensor]]:
-        """Served rank ``i`` (engine TP rank ``r``)'s header and buffer for plan bucket ``b``: the bucket
-        gathered from ``feed``'s sources into its buffer, or a no-op for a rank whose plan has fewer
-        buckets."""
+        """:meth:`_rank_bucket` with the bucket gathered from ``feed``'s sources into the buffer."""
+        ops = self._program.ops[r]
+        return self._rank_bucket(i, r, b, lambda buf: _gather(
+            ops[b], feed.held, buf, lambda srcs: self._mem.dsts(i, b, buf, ops[b], srcs), self.gather))
+
+    def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
+                     ) -> Tuple[dict, Optional[torch.Tensor]]:
+        """Served rank ``i`` (engine TP rank ``r``)'s header and buffer for plan bucket ``b``, ``write(buf)``
+        having filled the buffer (timed as ``gather.copy``); a no-op for a rank whose plan has fewer buckets."""
         prog = self._program
-        ops = prog.ops[r]
-        if b >= len(ops):
+        if b >= len(prog.ops[r]):
             return dict(op="copy", plan_id=self._plan_ids[i], bucket=-1), None
         t_alloc = time.perf_counter()
         buf = self._mem.buffer(i, prog.buffer_bytes[r])
         t_copy = self._tick("gather.alloc", t_alloc)
-        _gather(ops[b], feed.held, buf, lambda srcs: self._mem.dsts(i, b, buf, ops[b], srcs), self.gather)
+        write(buf)
         self._tick("gather.copy", t_copy)
         return dict(op="copy", plan_id=self._plan_ids[i], bucket=b), buf
 

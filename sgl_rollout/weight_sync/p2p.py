@@ -34,7 +34,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -378,12 +378,16 @@ def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Opt
         raise
     prog, r = sender._program, sender.tp_ranks[0]
     link = _Link(receipt, len(prog.ops[r]))
+
+    def bucket(b: int) -> list:  # the one served rank's (header, buffer), received over the link
+        return [sender._rank_bucket(0, r, b, lambda buf: link.fill(0, b, buf[: prog.sizes[r][b]]))]
+
     t0 = sender._t_mark = time.perf_counter()
     sender.timings = {}
     scratch = lambda n: sender._mem.buffer(0, n)  # noqa: E731 - the buffer takes what is left
     try:
         with torch.no_grad():
-            stats = sender._plan_rounds(lambda b: _bucket(sender, link, b), lambda b: None, lambda: None)
+            stats = sender._plan_rounds(bucket, lambda b: None, lambda: None)
         if stats.n_buckets:
             sender.engine.flush_cache()
     except BaseException:
@@ -406,14 +410,3 @@ def plan_message(sender: FastPathSender, i: int = 0) -> dict:
     r = sender.tp_ranks[i]
     return dict(tp_rank=r, chunks=sender._chunks[r], bucket_bytes=sender.bucket_bytes,
                 manifest=manifest_entries(sender.manifest), optional=sorted(sender.manifest.optional))
-
-
-def _bucket(sender: FastPathSender, link: _Link, b: int) -> List[tuple]:
-    """The served rank's (header, buffer) of bucket ``b``, received over ``link``."""
-    prog, r = sender._program, sender.tp_ranks[0]
-    plan_id = sender._plan_ids[0]
-    if b >= len(prog.ops[r]):
-        return [(dict(op="copy", plan_id=plan_id, bucket=-1), None)]
-    buf = sender._mem.buffer(0, prog.buffer_bytes[r])
-    link.fill(0, b, buf[: prog.sizes[r][b]])
-    return [(dict(op="copy", plan_id=plan_id, bucket=b), buf)]
