@@ -121,10 +121,15 @@ def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_pa
         "data_source": np.array(["t"], dtype=object),
     }, meta_info={"global_steps": 1, "validate": True})
 
+    def reply(ids):  # each turn on newer weights: the trajectory spans versions 4..6
+        srv.global_steps += 1
+        return tok.encode(next(answers), add_special_tokens=False)
+
     async def body():
         await srv.start()
         try:
-            srv._engine._engine.reply = lambda ids: tok.encode(next(answers), add_special_tokens=False)
+            await srv.set_global_steps(3)
+            srv._engine._engine.reply = reply
             worker = AgentLoopWorker(cfg, _verl_client(srv))
             return await worker.generate_sequences(batch), list(srv._engine._engine.requests)
         finally:
@@ -133,6 +138,11 @@ def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_pa
     monkeypatch.setenv(agent_task.TURNS_DIR_ENV, str(tmp_path / "turns"))
     out, requests = asyncio.run(body())
     assert out.non_tensor_batch["__num_turns__"].tolist() == [1 + agent_task.TURNS + (agent_task.TURNS - 1)]
+    # the weight versions the episode ran on, which verl's trainer reads as ints for every training sample
+    # (np.array(..., dtype=int), verl/trainer/ppo/v1/trainer_base.py): None there failed step 1 on the GPUs
+    nt = out.non_tensor_batch
+    assert np.array(nt["min_global_steps"].tolist(), dtype=int).tolist() == [4]
+    assert np.array(nt["max_global_steps"].tolist(), dtype=int).tolist() == [6]
     (logged,) = [json.loads(ln) for f in (tmp_path / "turns").glob("*.jsonl") for ln in f.read_text().splitlines()]
     assert len(logged["turns"]) == agent_task.TURNS
     assert tok.decode(logged["turns"][0]) == "12 + 30 = 42. Answer: 42<|im_end|>"

@@ -84,9 +84,11 @@ class ToolTurnsLoop(AgentLoopBase):
         logprobs: List[float] = []
         turns = 1
         said: List[List[int]] = []
+        extra: dict = {}
         for turn in range(TURNS):
             out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt + ids,
                                                      sampling_params=sampling_params)
+            extra = episode_extra_fields(extra, out.extra_fields)
             said.append([int(t) for t in out.token_ids])
             ids += list(out.token_ids)
             mask += [1] * len(out.token_ids)
@@ -102,7 +104,27 @@ class ToolTurnsLoop(AgentLoopBase):
             turns += 1
         log_greedy_episode(prompt, said, sampling_params)
         return AgentLoopOutput(prompt_ids=prompt, response_ids=ids[:budget], response_mask=mask[:budget],
-                               response_logprobs=logprobs[:budget], num_turns=turns, metrics={})
+                               response_logprobs=logprobs[:budget], num_turns=turns, metrics={},
+                               extra_fields=extra)
+
+
+def episode_extra_fields(so_far: dict, turn: dict) -> dict:
+    """The episode's ``extra_fields`` after one more turn whose server output carried ``turn``.
+
+    verl's trainer reads ``min_global_steps`` and ``max_global_steps`` of every sample (the weight
+    versions a trajectory was generated across: ``np.array(..., dtype=int)`` in
+    ``verl/trainer/ppo/v1/trainer_base.py``, filled from the output's ``extra_fields`` in
+    ``verl/trainer/ppo/v1/agent_loop_tq.py``), so an episode without them fails the first training step
+    with ``int() argument must be ... not 'NoneType'`` (issue 45). ``LLMServerClient.generate`` puts both
+    on each turn's output (``verl/workers/rollout/llm_server.py``); as verl's ``tool_agent`` does, the
+    first turn's fields are kept and ``max_global_steps`` follows the last turn that has one.
+    """
+    if not so_far:
+        return dict(turn or {})
+    out = dict(so_far)
+    if (turn or {}).get("max_global_steps") is not None:
+        out["max_global_steps"] = turn["max_global_steps"]
+    return out
 
 
 def write_tools_task(data_dir: os.PathLike, n_train: int = 2048, n_val: int = 128, seed: int = 0) -> Tuple[Path, Path, Path]:

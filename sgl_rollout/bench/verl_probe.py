@@ -77,6 +77,7 @@ import functools
 import inspect
 import json
 import os
+import sys
 import threading
 import time
 import weakref
@@ -313,8 +314,9 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
           step_kw: Optional[str] = None, result: Optional[Callable[[Any], Any]] = None,
           window: bool = False, window_only: bool = False, watch: bool = False,
           memory: bool = False) -> Callable:
-    """``fn`` wrapped to emit a span per call (a coroutine function stays one; attributes such as verl's
-    dispatch-mode marks are kept by ``functools.wraps``).
+    """``fn`` wrapped to emit a span per call (a coroutine function stays one, a function of verl's
+    ``auto_await`` stays one, see :func:`_auto_await_of`; attributes such as verl's dispatch-mode marks
+    are kept by ``functools.wraps``).
 
     Args:
         fn: function or method.
@@ -336,11 +338,39 @@ def timed(fn: Callable, name: str, name_of: Optional[Callable[[tuple, dict], str
     def fields(kwargs, error):
         return _span_fields(kwargs, step_kw, error)
 
-    if inspect.iscoroutinefunction(fn):
+    deco = _auto_await_of(fn)
+    if deco is not None:
+        # verl's auto_await decides what to return from its caller's frame: re-decorate the timed
+        # coroutine function, so the frame it reads is still the caller's, not this wrapper's
+        timed_inner = _timed_coroutine(fn.__wrapped__, label, fields, result, window, window_only, watch, memory)
+        wrapper = deco(timed_inner)
+    elif inspect.iscoroutinefunction(fn):
         wrapper = _timed_coroutine(fn, label, fields, result, window, window_only, watch, memory)
     else:
         wrapper = _timed_function(fn, label, fields, result, window_only)
     return _mark(wrapper)
+
+
+async def _a_coroutine() -> None:
+    """A coroutine function for :func:`_auto_await_of` to decorate."""
+
+
+def _auto_await_of(fn: Callable) -> Optional[Callable]:
+    """verl's ``auto_await`` (``verl/utils/ray_utils.py``) when ``fn`` is a function it made, else None.
+
+    ``auto_await`` wraps a coroutine function in a plain function that looks at its *caller's* frame: a
+    coroutine caller gets the coroutine to await, any other caller gets the coroutine run to its end and
+    its result (on a running loop, in a thread of its own). A plain wrapper around such a function is
+    never a coroutine frame, so ``await manager.abort_replicas()`` inside verl's
+    ``CheckpointEngineManager.update_weights`` would get ``None`` (issue 45). Every function
+    ``auto_await`` makes shares one code object, which is how it is recognised here; verl is looked up
+    only where it is already imported (a function it decorated means it is).
+    """
+    deco = getattr(sys.modules.get("verl.utils.ray_utils"), "auto_await", None)
+    code = getattr(fn, "__code__", None)
+    if deco is None or code is None or not inspect.iscoroutinefunction(getattr(fn, "__wrapped__", None)):
+        return None
+    return deco if code is deco(_a_coroutine).__code__ else None
 
 
 def _span_fields(kwargs: dict, step_kw: Optional[str], error: Optional[BaseException]) -> Dict[str, Any]:
@@ -384,8 +414,8 @@ def _timed_coroutine(fn: Callable, label: Callable, fields: Callable, result: Op
 
 def _timed_function(fn: Callable, label: Callable, fields: Callable, result: Optional[Callable[[Any], Any]],
                     window_only: bool) -> Callable:
-    """:func:`timed`'s wrapper of a plain function; an awaitable it returns (e.g. verl's ``auto_await``
-    inside a running loop) is awaited by a coroutine that emits the span when it ends. ``label`` and
+    """:func:`timed`'s wrapper of a plain function; an awaitable it returns is awaited by a coroutine that
+    emits the span when it ends (verl's ``auto_await`` functions never come here: :func:`timed`). ``label`` and
     ``fields`` as in :func:`_timed_coroutine`."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -397,7 +427,7 @@ def _timed_function(fn: Callable, label: Callable, fields: Callable, result: Opt
         except BaseException as exc:
             emit(label(args, kwargs), t0, time.perf_counter() - c0, **fields(kwargs, exc))
             raise
-        if inspect.isawaitable(out):  # e.g. verl's auto_await inside a running loop
+        if inspect.isawaitable(out):
 
             async def finish():
                 err = None

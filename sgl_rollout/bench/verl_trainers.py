@@ -87,7 +87,9 @@ def trainer_overrides(trainer: str, rollout_gpus: int, steps: int, mini_batch: i
         # its config's searchpath is file://verl/trainer/config, relative to verl's source tree
         return ["hydra.searchpath=[pkg://verl.trainer.config]", *common]
     return [*common,
-            "data.gen_batch_size=1", f"rollout.n={rollout_n}", f"rollout.total_rollout_steps={steps * mini_batch}",
+            # the rollouter streams one prompt at a time and the trainer takes mini-batches from the queue:
+            # verl 0.9.1's FullyAsyncRollouter asserts train_batch_size == 0 and gen_batch_size == 1
+            "data.train_batch_size=0", "data.gen_batch_size=1", f"rollout.n={rollout_n}", f"rollout.total_rollout_steps={steps * mini_batch}",
             "async_training.partial_rollout=True", f"async_training.staleness_threshold={staleness_threshold}",
             "async_training.require_batches=1", "async_training.trigger_parameter_sync_step=1"]
 
