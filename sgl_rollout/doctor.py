@@ -51,6 +51,20 @@ def _sglang() -> Result:
     return line, None
 
 
+def _transformers() -> str:
+    """The installed transformers, and whether the GPU suite ran with it under the installed SGLang
+    (:func:`~.engine.sglang_version.transformers_line`)."""
+    from .engine import sglang_version
+
+    try:
+        import importlib.metadata
+
+        version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return sglang_version.transformers_line(sglang_version.installed_sglang(), version)
+
+
 def _memory_saver_hook() -> Result:
     # SGLang puts this library in LD_PRELOAD of its scheduler processes (enable_memory_saver): it is
     # what lets sleep/wake release and resume the engine's GPU memory.
@@ -145,6 +159,7 @@ def _info(fn: Callable[[], str]) -> Callable[[], Result]:
 CHECKS: List[Tuple[str, Callable[[], Result], Optional[str]]] = [
     ("sglang", lambda: _sglang(), "sglang"),
     ("torch", lambda: _required_version("torch"), "torch"),
+    ("transformers", _info(lambda: _transformers()), None),
     ("torch-memory-saver", _info(lambda: _version("torch-memory-saver")), None),  # the hook line says it
     ("verl", _info(lambda: _version("verl")), None),
     ("memory-saver hook", lambda: _memory_saver_hook(), "torch-memory-saver's preload hook"),

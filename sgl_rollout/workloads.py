@@ -685,12 +685,20 @@ def _grpo_trainer_overrides(run: Path, name: str, ngpus: int, steps: int, test_f
     ]
 
 
+_DOUBLE_TIMING = re.compile(r"^timing_s/timing_s/")
+
+
 def load_metrics(path: os.PathLike) -> List[dict]:
     """Records of verl's file logger, one dict per step: ``{"step": int, <metric>: float, ...}``.
 
     verl's ``FileLogger`` (``verl/utils/tracking.py``) writes one JSON line ``{"step": s, "data":
     {...}}`` per ``log`` call; records of the same step (e.g. the validation before training, logged
-    at step 0) are merged. Lines that are not JSON (a run killed mid-write) are skipped.
+    at step 0) are merged. A record of a training step carries ``training/global_step``, and that is its
+    step: verl 0.9.1's fully-async trainer logs its steps 2 and 3 both at logger step 3
+    (``verl/experimental/fully_async_policy/fully_async_trainer.py``), which merged would count as one.
+    verl 0.9.1's fully-async trainer times its weight sync as ``marked_timer("timing_s/param_sync", ...)``
+    into timings verl prefixes with ``timing_s/`` once more: its ``timing_s/timing_s/param_sync`` is read
+    here as ``timing_s/param_sync``. Lines that are not JSON (a run killed mid-write) are skipped.
 
     Raises:
         FileNotFoundError: no such file.
@@ -707,8 +715,11 @@ def load_metrics(path: os.PathLike) -> List[dict]:
                 continue
             if not isinstance(rec, dict) or "step" not in rec:
                 continue
-            row = by_step.setdefault(int(rec["step"]), {"step": int(rec["step"])})
-            row.update(rec.get("data") or {})
+            data = rec.get("data") or {}
+            step = data.get("training/global_step")
+            step = int(rec["step"] if step is None else step)
+            row = by_step.setdefault(step, {"step": step})
+            row.update({_DOUBLE_TIMING.sub("timing_s/", k): v for k, v in data.items()})
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -16,27 +16,12 @@ import pytest
 
 from sgl_rollout.bench import verl_compare, verl_probe
 from sgl_rollout.config import TPLayoutError, check_tp_layout, heads_of_model_path, model_heads, tp_layout_problem
+from verl_helpers import probe_dir, spans_in  # noqa: F401 - probe_dir is a fixture
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def spans_in(folder: Path) -> list:
-    return [json.loads(line) for f in sorted(folder.glob("spans-*.jsonl")) for line in f.read_text().splitlines()]
-
-
 # ------------------------------------------------------------------------------------ probe
-@pytest.fixture
-def probe_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(verl_probe.ENV_DIR, str(tmp_path / "spans"))
-    monkeypatch.setattr(verl_probe, "_file", None)
-    monkeypatch.setattr(verl_probe, "_installed", False)
-    yield tmp_path / "spans"
-    verl_probe.uninstall()  # no listener left behind for the next test
-    if verl_probe._file is not None:
-        verl_probe._file.close()
-    monkeypatch.setattr(verl_probe, "_file", None)
-
-
 def test_timed_records_sync_async_errors_and_step(probe_dir):
     calls = []
 
@@ -894,23 +879,29 @@ def test_simulated_nodes_are_raylets_with_their_own_devices():
     ray = pytest.importorskip("ray")
     with verl_compare.simulated_nodes(1, 2) as (env, worker_env):
         assert env == {} and worker_env == {}
-    with verl_compare.simulated_nodes(2, 1) as (env, worker_env):
-        ray.init(address=env["RAY_ADDRESS"], runtime_env={"env_vars": worker_env}, include_dashboard=False)
-        try:
-            alive = [n for n in ray.nodes() if n["Alive"]]
-            assert len(alive) == 2 and all(n["Resources"].get("GPU") == 1 for n in alive)
+    # all GPUs visible, and a run given GPUs 2,3 of a 4-GPU host (its nodes must be on 2 and 3: on the
+    # GPUs the parent was not given, the first GPU run died with "invalid device ordinal")
+    for environ, count, expect in (({}, 2, ["0", "1"]), ({"CUDA_VISIBLE_DEVICES": "2,3"}, None, ["2", "3"])):
+        with verl_compare.simulated_nodes(2, 1, environ=environ, count=count) as (env, worker_env):
+            ray.init(address=env["RAY_ADDRESS"], runtime_env={"env_vars": worker_env}, include_dashboard=False)
+            try:
+                alive = [n for n in ray.nodes() if n["Alive"]]
+                assert len(alive) == 2 and all(n["Resources"].get("GPU") == 1 for n in alive)
 
-            @ray.remote(num_gpus=1)
-            def visible():
-                import os
-                import time
-                time.sleep(2)  # both hold their GPU at once: one on each raylet
-                return os.environ.get("CUDA_VISIBLE_DEVICES")
+                @ray.remote(num_gpus=1)
+                def visible():
+                    import os
+                    import time
+                    time.sleep(2)  # both hold their GPU at once: one on each raylet
+                    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
-            # two tasks, one GPU each: one per raylet, each keeping its raylet's device
-            assert sorted(ray.get([visible.remote(), visible.remote()])) == ["0", "1"]
-        finally:
-            ray.shutdown()
+                # two tasks, one GPU each: one per raylet, each keeping its raylet's device
+                assert sorted(ray.get([visible.remote(), visible.remote()])) == expect
+            finally:
+                ray.shutdown()
+    with pytest.raises(verl_compare.SetupError, match="simulate-nodes .*: 4 needed, 2 visible"):
+        with verl_compare.simulated_nodes(2, 2, environ={"CUDA_VISIBLE_DEVICES": "0,1"}):
+            pass
 
 
 def test_at_once_splits_the_visible_gpus_between_the_sides():

@@ -654,3 +654,20 @@ def test_checkpoint_engine_steps_are_summarized_after_each_processs_first_call()
     lines = verl_report._ckpt_lines({"builtin": {"ckpt_phases": got}, "ours": {"ckpt_phases": {}}})
     assert "| `ckpt.send` | 200.0 (n=2) | n/a |" in lines
     assert verl_report._ckpt_lines({"builtin": {}, "ours": {}}) == []
+
+
+def test_fully_async_steps_logged_at_one_logger_step_each_count(tmp_path):
+    """verl 0.9.1's fully-async trainer logs its training steps 2 and 3 both at logger step 3 (its
+    ``training/global_step`` tells them apart). Merged by logger step, a run that finished all 3 steps
+    with exit 0 was reported "failed after 2 of 3 steps" (the H200 run of issue 45). The fixture is that
+    run's ``metrics.jsonl`` (built-in side), unchanged."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(Path(__file__).parent / "fixtures" / "verl_metrics" / "fully_async_h200.jsonl", run / "metrics.jsonl")
+    (run / "run.json").write_text(json.dumps({"side": "builtin", "pair": 1, "steps": 3, "exit_code": 0}))
+    s = verl_report.summarize_run(run)
+    assert s["status"] == "ok" and s["steps"] == 3
+    assert [r[0] for r in s["reward"]] == [1, 2, 3]
+    assert s["reward"][1][1] == pytest.approx(0.16093750298023224)  # step 2's own score, not step 3's
+    # its weight sync, which verl logs as timing_s/timing_s/param_sync: steps 2 and 3 (after the first)
+    assert s["metrics"]["timing_s/param_sync"]["n"] == 2 and s["metrics"]["timing_s/param_sync"]["median"] > 0

@@ -14,30 +14,16 @@ import asyncio
 import importlib
 import importlib.util
 import inspect
-import json
 import types
 from pathlib import Path
 
 import pytest
 
 from sgl_rollout.bench import verl_probe
+from verl_helpers import probe_dir, spans_in  # noqa: F401 - probe_dir is a fixture
 
 pytest.importorskip("verl")
 from verl.utils.ray_utils import auto_await  # noqa: E402
-
-
-def spans_in(folder: Path) -> list:
-    return [json.loads(line) for f in sorted(folder.glob("spans-*.jsonl")) for line in f.read_text().splitlines()]
-
-
-@pytest.fixture
-def probe_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv(verl_probe.ENV_DIR, str(tmp_path / "spans"))
-    monkeypatch.setattr(verl_probe, "_file", None)
-    yield tmp_path / "spans"
-    if verl_probe._file is not None:
-        verl_probe._file.close()
-    monkeypatch.setattr(verl_probe, "_file", None)
 
 
 # ------------------------------------------------------------------ verl's real CheckpointEngineManager

@@ -81,6 +81,17 @@ def test_pyproject_states_the_supported_range_and_the_tested_releases_are_inside
     from packaging.version import Version
 
     assert all(Version(v) in SUPPORTED for v in TESTED) and Version(NEWEST) not in SUPPORTED
+    # pip takes the newest release inside the range: it must be a tested one (0.5.12.post1 and 0.5.11 never ran)
+    for untested in ("0.5.12.post1", "0.5.11", "0.5.10", "0.5.13"):
+        assert Version(untested) not in SUPPORTED, untested
+    assert set(sglang_version.GPU_TRANSFORMERS) == set(TESTED)
+
+
+def test_doctor_says_whether_the_gpu_suite_ran_with_this_transformers():
+    line = sglang_version.transformers_line
+    assert "ran with it" in line("0.5.12", "5.9.0")
+    assert "not run on a GPU" in line("0.5.12", "5.6.0") and "5.9.0" in line("0.5.12", "5.6.0")
+    assert "no GPU run" in line("0.5.11", "5.6.0") and line("0.5.12", None) == "not installed"
 
 
 def test_engine_refuses_to_start_under_an_unsupported_release_unless_allowed(monkeypatch):

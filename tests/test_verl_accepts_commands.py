@@ -8,17 +8,17 @@ trainer's ``main`` does it (verl 0.9.1):
 * ``sync`` (``verl/trainer/main_ppo.py``): ``validate_config``, then the v1 trainer's constructor
   (``get_trainer_cls(trainer.v1.trainer_mode)``), its tokenizer and its dataloaders;
 * ``one_step_off`` (``verl/experimental/one_step_off_policy/main_ppo.py``): ``validate_config``, the
-  worker mapping and resource pools, verl's RL datasets, and ``OneStepOffRayTrainer.__init__``;
+  worker mapping and resource pools, verl's RL datasets, ``OneStepOffRayTrainer.__init__``, and the dump
+  of generations its ``fit`` makes where the config names a folder (its first GPU run died there);
 * ``fully_async`` (``verl/experimental/fully_async_policy/fully_async_main.py``): ``main``'s own config
   changes, then ``FullyAsyncTrainer.__init__`` and ``FullyAsyncRollouter.__init__`` (their asserts:
-  ``train_batch_size must be zero`` failed both sides of the first GPU run) and the rollouter's count
-  of trainer steps.
+  ``train_batch_size must be zero`` failed both sides of the first GPU run), the rollouter's dump of
+  generations, and its count of trainer steps.
 
 Each must end with the number of training steps the command asked for.
 """
 
 import asyncio
-import os
 import types
 
 import pytest
@@ -26,18 +26,11 @@ import pytest
 pytest.importorskip("verl")
 pytest.importorskip("ray")
 
-import verl  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf, open_dict  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from verl_helpers import trainer_config  # noqa: E402
 
-from sgl_rollout.bench import verl_compare, verl_trainers  # noqa: E402
+from sgl_rollout.bench import verl_compare  # noqa: E402
 
-VERL = os.path.dirname(verl.__file__)
-CONFIG_DIRS = {"sync": os.path.join(VERL, "trainer", "config"),
-               "one_step_off": os.path.join(VERL, "experimental", "one_step_off_policy", "config"),
-               "fully_async": os.path.join(VERL, "experimental", "fully_async_policy", "config")}
-CONFIG_NAMES = {"sync": "ppo_trainer", "one_step_off": "one_step_off_ppo_trainer",
-                "fully_async": "fully_async_ppo_trainer"}
 STEPS = 3
 
 
@@ -68,15 +61,6 @@ def task_dirs(tmp_path_factory):
             write_tools_task(run / "data", n_train=64, n_val=8)
         dirs[task] = (vl if task == "shapes" else chat, run)
     return dirs
-
-
-def _config(trainer, cmd):
-    assert cmd[1:3] == ["-m", verl_trainers.MODULES[trainer]]
-    with initialize_config_dir(config_dir=CONFIG_DIRS[trainer], version_base=None):
-        cfg = compose(config_name=CONFIG_NAMES[trainer], overrides=cmd[3:], return_hydra_config=True)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg
 
 
 def _tokenizer_and_data(cfg, model_dir):
@@ -122,7 +106,21 @@ def _one_step_off(cfg, model_dir):
         resource_pool_manager=create_resource_pool_manager(cfg, mapping.keys()), ray_worker_group_cls=wg_cls,
         train_dataset=train, val_dataset=val, collate_fn=collate_fn, train_sampler=sampler,
         device_name=cfg.trainer.device)
+    _dump_as_fit_does(trainer, cfg)
     return trainer.total_training_steps
+
+
+def _dump_as_fit_does(trainer, cfg):
+    """What ``fit`` does with each dump folder the config sets (``_validate`` and the training step call
+    verl's ``_dump_generations``, ``verl/trainer/ppo/ray_trainer.py``): verl 0.9.1's one-step-off trainer
+    has no dump executor, so a set ``validation_data_dir`` failed its first validation on the GPUs."""
+    for key in ("validation_data_dir", "rollout_data_dir"):
+        folder = cfg.trainer.get(key)
+        if folder:
+            trainer.global_steps = 0
+            trainer._dump_generations(inputs=["q"], outputs=["a"], gts=["g"], scores=[0.0],
+                                      reward_extra_infos_dict={}, dump_path=folder)
+            trainer._shutdown_dump_executor()
 
 
 def _fully_async(cfg, model_dir):
@@ -148,6 +146,7 @@ def _fully_async(cfg, model_dir):
         ray_worker_group_cls=wg_cls, device_name=cfg.trainer.device)
     rollouter = FullyAsyncRollouter.__ray_metadata__.modified_class(
         config=cfg, tokenizer=tok, processor=proc, device_name=cfg.trainer.device)
+    _dump_as_fit_does(rollouter, cfg)  # the rollouter validates
     # what the task runner asks the rollouter after its workers start: the trainer's steps
     rollouter.llm_server_manager = types.SimpleNamespace(get_active_server_count=lambda: 1)
 
@@ -171,8 +170,21 @@ def test_verl_accepts_the_command_and_plans_its_steps(task_dirs, trainer, task, 
     if trainer != "sync":
         kw.update(rollout_gpus=1, ours_backend="sgl_rollout")
     cmd = verl_compare.side_command(side, model_dir, run, 2, 1, STEPS, 0.5, **kw)
-    cfg = _config(trainer, cmd)
+    cfg = trainer_config(trainer, cmd)
     assert CHECKS[trainer](cfg, model_dir) == STEPS
+
+
+def test_a_one_step_off_command_that_dumps_validations_fails_here(task_dirs, tmp_path, monkeypatch):
+    """The one-step-off command of the first GPU runs (``trainer.validation_data_dir`` set) fails here
+    as verl failed it there, after the validation."""
+    monkeypatch.chdir(tmp_path)
+    model_dir, run = task_dirs["arith"]
+    cmd = verl_compare.side_command("ours", model_dir, run, 2, 1, STEPS, 0.5, python="python",
+                                    trainer="one_step_off", rollout_gpus=1)
+    cmd = [f"trainer.validation_data_dir={tmp_path / 'val'}" if c == "trainer.validation_data_dir=null" else c
+           for c in cmd]
+    with pytest.raises(AttributeError, match="_dump_executor"):
+        _one_step_off(trainer_config("one_step_off", cmd), model_dir)
 
 
 def test_a_command_verl_refuses_fails_here(task_dirs, tmp_path, monkeypatch):
@@ -183,4 +195,4 @@ def test_a_command_verl_refuses_fails_here(task_dirs, tmp_path, monkeypatch):
                                     trainer="fully_async", rollout_gpus=1)
     cmd = [c for c in cmd if not c.startswith("data.train_batch_size=")]
     with pytest.raises(AssertionError, match="train_batch_size must be zero"):
-        _fully_async(_config("fully_async", cmd), model_dir)
+        _fully_async(trainer_config("fully_async", cmd), model_dir)

@@ -2,30 +2,10 @@
 its own verl config (hydra, verl 0.9.1's yaml files) with the layout and keys that trainer needs, and
 bad layouts are refused before anything starts. Checked on CPU; the runs need 2 GPUs."""
 
-import os
-
 import pytest
-import verl
-from hydra import compose, initialize_config_dir
-from omegaconf import open_dict
 
 from sgl_rollout.bench import verl_compare, verl_trainers
-
-VERL = os.path.dirname(verl.__file__)
-CONFIG_DIRS = {"sync": os.path.join(VERL, "trainer", "config"),
-               "one_step_off": os.path.join(VERL, "experimental", "one_step_off_policy", "config"),
-               "fully_async": os.path.join(VERL, "experimental", "fully_async_policy", "config")}
-CONFIG_NAMES = {"sync": "ppo_trainer", "one_step_off": "one_step_off_ppo_trainer",
-                "fully_async": "fully_async_ppo_trainer"}
-
-
-def _composed(trainer, cmd):
-    assert cmd[1:3] == ["-m", verl_trainers.MODULES[trainer]]
-    with initialize_config_dir(config_dir=CONFIG_DIRS[trainer], version_base=None):
-        cfg = compose(config_name=CONFIG_NAMES[trainer], overrides=cmd[3:], return_hydra_config=True)
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg
+from verl_helpers import trainer_config
 
 
 @pytest.mark.parametrize("trainer", ["one_step_off", "fully_async"])
@@ -34,7 +14,7 @@ def test_async_trainer_commands_compose_with_their_own_layout(tmp_path, trainer)
                                     trainer=trainer, rollout_gpus=1)
     keys = [o.split("=", 1)[0].lstrip("+") for o in cmd[3:]]
     assert len(keys) == len(set(keys))
-    cfg = _composed(trainer, cmd)
+    cfg = trainer_config(trainer, cmd)
     arr = cfg.actor_rollout_ref
     assert cfg.trainer.n_gpus_per_node == 1 and cfg.rollout.n_gpus_per_node == 1 and cfg.rollout.nnodes == 1
     assert arr.hybrid_engine is False and arr.rollout.free_cache_engine is False
@@ -52,7 +32,7 @@ def test_async_trainer_commands_compose_with_their_own_layout(tmp_path, trainer)
 
 def test_sync_trainer_is_the_colocated_command(tmp_path):
     cmd = verl_compare.side_command("ours", tmp_path / "m", tmp_path / "run", 2, 1, 4, 0.5, python="python")
-    cfg = _composed("sync", cmd)
+    cfg = trainer_config("sync", cmd)
     assert cfg.trainer.n_gpus_per_node == 2 and cfg.actor_rollout_ref.hybrid_engine is True
     assert not [o for o in cmd if o.startswith(("rollout.", "async_training."))]
 
@@ -85,6 +65,6 @@ def test_ours_checkpoint_engine_goes_to_sgl_rollouts_side_only(tmp_path, trainer
     builtin = verl_compare.side_command("builtin", tmp_path / "m", tmp_path / "b", 2, 1, 4, 0.5, **kw)
     keys = [o.split("=", 1)[0].lstrip("+") for o in ours[3:]]
     assert len(keys) == len(set(keys))
-    assert _composed(trainer, ours).actor_rollout_ref.rollout.checkpoint_engine.backend == "sgl_rollout"
-    assert _composed(trainer, builtin).actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"
+    assert trainer_config(trainer, ours).actor_rollout_ref.rollout.checkpoint_engine.backend == "sgl_rollout"
+    assert trainer_config(trainer, builtin).actor_rollout_ref.rollout.checkpoint_engine.backend == "nccl"
     assert any("sgl_rollout" in d for d in verl_compare.differences(None, "sgl_rollout"))

@@ -718,27 +718,31 @@ def check_nodes(nnodes: int, simulate: bool, environ: Optional[Dict[str, str]] =
 
 
 @contextlib.contextmanager
-def simulated_nodes(nnodes: int, ngpus: int):
+def simulated_nodes(nnodes: int, ngpus: int, environ: Optional[Dict[str, str]] = None, count: Optional[int] = None):
     """Yield ``(env, worker_env)``: with ``nnodes`` > 1, a Ray cluster of ``nnodes`` raylets on this host
-    (``ray.cluster_utils.Cluster``), raylet ``i`` holding GPUs ``i * ngpus ...`` in its
-    ``CUDA_VISIBLE_DEVICES``, kept up until the block ends; ``env`` names it for verl's driver
-    (``RAY_ADDRESS``), and ``worker_env`` keeps Ray from renumbering each node's GPUs from 0 in the
-    workers (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: they keep their raylet's devices, as
-    ``tests/gpu/test_multinode_gpu.py`` runs them). With one node, two empty dicts and no cluster."""
+    (``ray.cluster_utils.Cluster``), raylet ``i`` holding the ``i``-th group of ``ngpus`` of the GPUs this
+    process may use (:func:`device_groups`: ``CUDA_VISIBLE_DEVICES`` where set, so a run given GPUs 2,3
+    puts its nodes on 2 and 3, not on 0 and 1) in its ``CUDA_VISIBLE_DEVICES``, kept up until the block
+    ends; ``env`` names it for verl's driver (``RAY_ADDRESS``), and ``worker_env`` keeps Ray from
+    renumbering each node's GPUs from 0 in the workers (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``:
+    they keep their raylet's devices, as ``tests/gpu/test_multinode_gpu.py`` runs them). With one node,
+    two empty dicts and no cluster.
+
+    Raises:
+        SetupError: fewer than ``nnodes * ngpus`` GPUs visible.
+    """
     if nnodes <= 1:
         yield {}, {}
         return
     from ray.cluster_utils import Cluster
 
-    def devices(i: int) -> str:
-        return ",".join(str(i * ngpus + g) for g in range(ngpus))
-
+    groups = device_groups(nnodes, ngpus, "--simulate-nodes puts each node on GPUs of its own", environ, count)
     cpus = max(2, (os.cpu_count() or 2) // nnodes)
     cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": cpus, "num_gpus": ngpus, "env_vars": {"CUDA_VISIBLE_DEVICES": devices(0)}})
+        "num_cpus": cpus, "num_gpus": ngpus, "env_vars": {"CUDA_VISIBLE_DEVICES": groups[0]}})
     try:
-        for i in range(1, nnodes):
-            cluster.add_node(num_cpus=cpus, num_gpus=ngpus, env_vars={"CUDA_VISIBLE_DEVICES": devices(i)})
+        for devices in groups[1:]:
+            cluster.add_node(num_cpus=cpus, num_gpus=ngpus, env_vars={"CUDA_VISIBLE_DEVICES": devices})
         cluster.wait_for_nodes()
         yield {"RAY_ADDRESS": cluster.address}, {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     finally:
@@ -794,13 +798,14 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
     return model_dir
 
 
-def split_devices(n_each: int, environ: Optional[Dict[str, str]] = None, count: Optional[int] = None) -> Tuple[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` of the two sides of an ``--at-once`` pair: the first ``n_each`` GPUs this
-    process may use for the built-in, the next ``n_each`` for sgl-rollout (from ``CUDA_VISIBLE_DEVICES``
-    where it is set, else GPUs ``0 .. count - 1``, ``count`` torch's device count by default).
+def device_groups(groups: int, n_each: int, why: str, environ: Optional[Dict[str, str]] = None,
+                  count: Optional[int] = None) -> List[str]:
+    """``groups`` disjoint ``CUDA_VISIBLE_DEVICES`` of ``n_each`` GPUs each, in order, from the GPUs this
+    process may use: ``CUDA_VISIBLE_DEVICES`` where it is set (its entries, as given), else GPUs
+    ``0 .. count - 1`` (``count``: torch's device count by default).
 
     Raises:
-        SetupError: fewer than ``2 * n_each`` GPUs.
+        SetupError: fewer than ``groups * n_each`` GPUs; the message starts with ``why``.
     """
     environ = os.environ if environ is None else environ
     visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -812,9 +817,20 @@ def split_devices(n_each: int, environ: Optional[Dict[str, str]] = None, count: 
 
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = [str(i) for i in range(count)]
-    if len(devices) < 2 * n_each:
-        raise SetupError(f"--at-once runs both sides on GPUs of their own: {2 * n_each} needed, {len(devices)} visible")
-    return ",".join(devices[:n_each]), ",".join(devices[n_each:2 * n_each])
+    if len(devices) < groups * n_each:
+        raise SetupError(f"{why}: {groups * n_each} needed, {len(devices)} visible")
+    return [",".join(devices[g * n_each:(g + 1) * n_each]) for g in range(groups)]
+
+
+def split_devices(n_each: int, environ: Optional[Dict[str, str]] = None, count: Optional[int] = None) -> Tuple[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` of the two sides of an ``--at-once`` pair: the first ``n_each`` GPUs this
+    process may use for the built-in, the next ``n_each`` for sgl-rollout (:func:`device_groups`).
+
+    Raises:
+        SetupError: fewer than ``2 * n_each`` GPUs.
+    """
+    builtin, ours = device_groups(2, n_each, "--at-once runs both sides on GPUs of their own", environ, count)
+    return builtin, ours
 
 
 def _run_one(args, out: Path, pair: int, side: str, run_dir: Path, model_dir: Path, env: Dict[str, str],
@@ -897,6 +913,8 @@ def main(args: argparse.Namespace) -> int:
         preflight(args.ngpus * (args.nnodes if args.simulate_nodes else 1) * (2 if args.at_once else 1))
         if args.at_once:
             split_devices(args.ngpus)
+        if args.simulate_nodes and args.nnodes > 1:
+            device_groups(args.nnodes, args.ngpus, "--simulate-nodes puts each node on GPUs of its own")
         check_installed_copy()  # both sides: every Ray worker imports the probe (and ours the rollout) from it
         model_dir = prepare_task(args, out, n_val)
     except SetupError as exc:

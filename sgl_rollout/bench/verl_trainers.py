@@ -81,11 +81,14 @@ def trainer_overrides(trainer: str, rollout_gpus: int, steps: int, mini_batch: i
         "actor_rollout_ref.rollout.free_cache_engine=False",
         "actor_rollout_ref.rollout.calculate_log_probs=True",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl",
-        "trainer.rollout_data_dir=null",  # verl 0.9.1's one-step-off trainer fails in _dump_generations
+        "trainer.rollout_data_dir=null",  # verl 0.9.1's one-step-off trainer fails in _dump_generations (below)
     ]
     if trainer == "one_step_off":
-        # its config's searchpath is file://verl/trainer/config, relative to verl's source tree
-        return ["hydra.searchpath=[pkg://verl.trainer.config]", *common]
+        # its config's searchpath is file://verl/trainer/config, relative to verl's source tree. verl 0.9.1's
+        # OneStepOffRayTrainer never makes the executor _dump_generations writes with, so the validation
+        # dump failed both sides' first validation on the GPUs: no dump (the report's greedy comparison
+        # of the validation answers is then n/a for this trainer)
+        return ["hydra.searchpath=[pkg://verl.trainer.config]", *common, "trainer.validation_data_dir=null"]
     return [*common,
             # the rollouter streams one prompt at a time and the trainer takes mini-batches from the queue:
             # verl 0.9.1's FullyAsyncRollouter asserts train_batch_size == 0 and gen_batch_size == 1

@@ -79,7 +79,10 @@ class DemoConfig:
         check_sync: report and enforce the engine-vs-trainer logprob check (see module docstring).
         sync_tol: largest accepted mean absolute logprob difference (nats). Two bf16 implementations
             of the same weights differ by a few hundredths; weights that did not arrive (released
-            at sleep level 2 and resumed undefined) by whole nats.
+            at sleep level 2 and resumed undefined) by whole nats. In ``float32`` two implementations
+            agree to about 1e-5, so a much smaller tolerance still catches a sync that kept old weights.
+        dtype: the weights' dtype on both sides, trainer and engine: ``"bfloat16"`` (the demo) or
+            ``"float32"`` (the CPU tests: bf16 matmuls round differently on AMX-BF16 CPUs).
         progress: show the tqdm bar.
         engine_kwargs: extra SGLang ``ServerArgs``.
         lora_rank: 0: full fine-tuning and full weight syncs. > 0: train and sync a LoRA adapter of this
@@ -120,6 +123,7 @@ class DemoConfig:
     lora_alpha: Optional[float] = None
     lora_base: str = "kept"
     lora_targets: Optional[Tuple[str, ...]] = None
+    dtype: str = "bfloat16"
 
     @property
     def lora(self) -> bool:
@@ -235,13 +239,14 @@ def run(cfg: DemoConfig, worker_factory=None, device=None) -> dict:
         sgl_rollout.demo.model.ModelSetupError: the model cannot be found or prepared, or (LoRA) the adapter
             does not fit it or the engine (checked before the engine starts).
         SyncCheckError: with ``check_sync``, a logprob difference above ``sync_tol``.
-        ValueError: ``lora_base`` is not one of :data:`LORA_BASE_MODES`, or ``lora_rank`` < 0.
+        ValueError: ``lora_base`` is not one of :data:`LORA_BASE_MODES`, ``lora_rank`` < 0, or ``dtype``
+            is not one of :data:`DTYPES`.
     """
     import torch
 
     from . import plots
 
-    _check_lora_settings(cfg)
+    _check_settings(cfg)
     t_run = time.perf_counter()
     torch.manual_seed(cfg.seed)
     model_dir, tok, out = _prepare_run(cfg)
@@ -330,8 +335,15 @@ class _RunState:
         return {"lora_path": self.lora_path} if self.cfg.lora else {}
 
 
-def _check_lora_settings(cfg: DemoConfig) -> None:
-    """Refuse a negative ``lora_rank`` and, for a LoRA run, an unknown ``lora_base`` (ValueError)."""
+#: The weights' dtypes a demo runs in (``DemoConfig.dtype``).
+DTYPES = ("bfloat16", "float32")
+
+
+def _check_settings(cfg: DemoConfig) -> None:
+    """Refuse a ``dtype`` outside :data:`DTYPES`, a negative ``lora_rank`` and, for a LoRA run, an unknown
+    ``lora_base`` (ValueError)."""
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {cfg.dtype!r}")
     if cfg.lora_rank < 0:
         raise ValueError(f"lora_rank must be >= 0, got {cfg.lora_rank}")
     if cfg.lora and cfg.lora_base not in LORA_BASE_MODES:
@@ -360,6 +372,8 @@ def _make_trainer(cfg: DemoConfig, model_dir: Path, device):
     Raises:
         ModelSetupError: (LoRA) peft found none of the adapter's target modules in the model.
     """
+    import torch
+
     from .model import ModelSetupError
     from .trainer import Trainer
 
@@ -367,7 +381,7 @@ def _make_trainer(cfg: DemoConfig, model_dir: Path, device):
         return Trainer(str(model_dir), device, lr=cfg.lr, temperature=cfg.temperature, clip_eps=cfg.clip_eps,
                        kl_coef=cfg.kl_coef, micro_batch=cfg.micro_batch, mini_batches=cfg.mini_batches,
                        seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
-                       lora_targets=cfg.lora_targets)
+                       lora_targets=cfg.lora_targets, dtype=getattr(torch, cfg.dtype))
     except ValueError as e:  # peft found none of the LoRA targets in this model
         if not cfg.lora:
             raise
@@ -387,7 +401,7 @@ def _rollout_config(cfg: DemoConfig, model_dir: Path, trainer):
     lora_kw = {}
     if cfg.lora:
         lora_kw = lora_settings_from_peft(trainer.peft_config)
-    return RolloutConfig(model_path=str(model_dir), dtype="bfloat16", gpu_memory_utilization=cfg.mem_fraction,
+    return RolloutConfig(model_path=str(model_dir), dtype=cfg.dtype, gpu_memory_utilization=cfg.mem_fraction,
                          sleep_level=cfg.sleep_level, update_weights_bucket_megabytes=cfg.bucket_mb,
                          fast_sync=cfg.fast_sync, max_num_seqs=max(batch_size, cfg.eval_prompts),
                          engine_kwargs=engine_kwargs, **lora_kw)

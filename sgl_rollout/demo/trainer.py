@@ -271,7 +271,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 
 
 class Trainer:
-    """Policy (bf16, trained), reference policy (bf16, CPU, no grads), optimizer and offloading.
+    """Policy (trained), reference policy (CPU, no grads), optimizer and offloading; both in ``dtype``.
 
     Args:
         model_dir: Hugging Face model folder.
@@ -285,6 +285,9 @@ class Trainer:
         lora_rank: 0: full fine-tuning. > 0: train a LoRA adapter of this rank only (see the module docstring).
         lora_alpha: the adapter's ``lora_alpha``; None: ``2 * lora_rank``.
         lora_targets: module names the adapter wraps; None: :data:`DEFAULT_LORA_TARGETS`.
+        dtype: the models' dtype, ``torch.bfloat16`` (the demo's) or ``torch.float32`` (the CPU tests':
+            bf16 matmuls round differently on CPUs with AMX-BF16, so two bf16 forward passes of the same
+            weights differ there by more than a missed sync's tolerance can allow).
 
     After construction everything is on the CPU; call :meth:`load` before training.
 
@@ -297,7 +300,7 @@ class Trainer:
                  kl_coef: float = 0.02, micro_batch: int = 32, mini_batches: int = 2,
                  weight_decay: float = 0.0, max_grad_norm: Optional[float] = 1.0, seed: int = 0,
                  lora_rank: int = 0, lora_alpha: Optional[float] = None,
-                 lora_targets: Optional[Sequence[str]] = None):
+                 lora_targets: Optional[Sequence[str]] = None, dtype: torch.dtype = torch.bfloat16):
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -308,10 +311,10 @@ class Trainer:
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # one "Loading weights" bar per copy would break the demo's log
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
             self.ref = None
             if kl_coef > 0 and not self.lora:  # LoRA: the reference is the base, under disable_adapter()
-                self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+                self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
                 self.ref.requires_grad_(False)
         finally:
             if bars:

@@ -21,10 +21,16 @@ from packaging.version import InvalidVersion, Version
 #: The releases checked, and how far (pyproject.toml's ``sglang`` requirement is :data:`SUPPORTED`).
 TESTED: Dict[str, str] = {
     "0.5.10.post1": "GPU suite and bench verl on H100/H200; every touch point checked on CPU",
-    "0.5.12": "verl 0.9.1's pin; every touch point checked on CPU against its source; GPU suite not yet run",
+    "0.5.12": ("verl 0.9.1's pin; every touch point checked on CPU against its source; the GPU suite (one- and "
+               "two-GPU tests, demo, piecewise) and bench verl on H100/H200 with transformers 5.9.0"),
 }
-#: The range an engine starts under (the same string as pyproject.toml's requirement).
-SUPPORTED = SpecifierSet(">=0.5.10,<0.5.13")
+#: The transformers releases each tested SGLang release ran its GPU suite with (:data:`TESTED`). SGLang
+#: 0.5.12 pins transformers 5.6.0, so ``pip install sgl-rollout`` gets that one; verl 0.9.1 excludes 5.6.0
+#: and the GPU host's overlay carries 5.9.0 (``shared/gpu-overlay``). ``doctor`` says which one is here.
+GPU_TRANSFORMERS: Dict[str, str] = {"0.5.10.post1": "5.17.0", "0.5.12": "5.9.0"}
+#: The releases an engine starts under: exactly :data:`TESTED` (the same string as pyproject.toml's
+#: requirement, so pip resolves to a tested release: 0.5.11 and 0.5.12.post1 were never run).
+SUPPORTED = SpecifierSet(">=0.5.10.post1,<=0.5.12,!=0.5.11.*")
 #: Set to ``1`` to start an engine under a release outside :data:`SUPPORTED` anyway (at your own risk).
 ALLOW_ENV = "SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG"
 
@@ -59,6 +65,20 @@ def support_line(version: Optional[str]) -> str:
         return f"{version} (inside the supported range {SUPPORTED}, but not itself checked; checked: {', '.join(TESTED)})"
     return (f"{version} is outside the range sgl-rollout supports ({SUPPORTED}; checked: {', '.join(TESTED)}): "
             f"install sglang==0.5.12 (verl 0.9.1's pin) or 0.5.10.post1, or set {ALLOW_ENV}=1 to start anyway")
+
+
+def transformers_line(sglang: Optional[str], transformers: Optional[str]) -> str:
+    """One line on the installed transformers next to the installed SGLang: whether the GPU suite ran
+    with that pair (:data:`GPU_TRANSFORMERS`)."""
+    if transformers is None:
+        return "not installed"
+    ran = GPU_TRANSFORMERS.get(sglang or "")
+    if ran is None:
+        return f"{transformers} (no GPU run with sglang {sglang})"
+    if ran == transformers:
+        return f"{transformers} (the GPU suite ran with it under sglang {sglang})"
+    return (f"{transformers} (the GPU suite ran sglang {sglang} with transformers {ran}, not this one: the "
+            "vision-language patches have not run on a GPU with it)")
 
 
 def check_sglang_version(version: Optional[str] = None) -> None:
