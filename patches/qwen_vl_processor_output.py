@@ -72,6 +72,9 @@ def with_grids(ret: Any, base_output: Any) -> Any:
         values = [d[key] for d in _processor_outputs(getattr(base_output, modality, None)) if d.get(key) is not None]
         if values:
             parts = [torch.as_tensor(v) for v in values]
+            bad = [tuple(p.shape) for p in parts if key.endswith("grid_thw") and p.numel() % 3]
+            if bad:
+                raise ValueError(f"{key} of a processor-output item must be N x 3 (t, h, w per item), got shape {bad[0]}")
             found[key] = torch.cat([p.reshape(-1, 3) if key.endswith("grid_thw") else p.reshape(-1) for p in parts])
     if not found:
         return ret

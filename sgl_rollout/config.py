@@ -387,3 +387,27 @@ def heads_of_model_path(model_path: str) -> Optional[tuple]:
             return model_heads(json.load(f))
     except (OSError, ValueError):
         return None
+
+
+def vocab_size_of_model_path(model_path: str) -> Optional[int]:
+    """The model's vocabulary size from ``model_path/config.json`` (``vocab_size``, or its
+    ``text_config``'s for a multimodal model), read as JSON with no download; None when there is no
+    readable config or no such field (a hub id, a test double).
+
+    SGLang computes its top-k logprobs over exactly that many logits (the logits processor slices them
+    to ``config.vocab_size``, ``sglang/srt/layers/logits_processor.py``), so a ``top_logprobs_num``
+    above it fails ``topk`` inside the scheduler, which then dies and takes its host process with it.
+    """
+    import json
+    import os
+
+    try:
+        with open(os.path.join(str(model_path), "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, Mapping):
+        return None
+    vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+

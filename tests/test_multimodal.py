@@ -179,3 +179,39 @@ def test_server_refuses_audio_and_per_request_processor_kwargs_before_sglang(pla
         assert (await srv.generate([1, 2], {}, request_id="r")).token_ids == [3, 4, 5, 6]
 
     _run(srv, scenario)
+
+
+def _video(grid):
+    import torch
+
+    return {"format": "processor_output", "pixel_values_videos": torch.zeros(4, 8), "video_grid_thw": grid}
+
+
+def _tensor():
+    import torch
+
+    return torch.zeros(3, 8, 8)
+
+
+@pytest.mark.parametrize("make, match", [
+    # an array or tensor as the request's images, or as one of them: the truth test of `if image_data`
+    # raised "Boolean value of Tensor ... is ambiguous" (issue 46), naming nothing
+    (lambda: {"image_data": np.zeros((8, 8, 3), dtype=np.uint8)}, r"image_data: an item is a ndarray of shape \(8, 8, 3\)"),
+    (lambda: {"image_data": _tensor()}, r"image_data: an item is a Tensor of shape \(3, 8, 8\)"),
+    (lambda: {"image_data": [_tensor()]}, r"image_data: an item is a Tensor"),
+    # a processor-output video whose grid is not N x 3: SGLang's side reshaped it without naming the field
+    (lambda: {"video_data": [_video([1, 2, 2, 2])]}, r"video_grid_thw must be N x 3 .*got shape \(4,\)"),
+    (lambda: {"video_data": [_video([[1, 2], [2, 2]])]}, r"video_grid_thw must be N x 3 .*got shape \(2, 2\)"),
+])
+def test_server_refuses_media_sglang_cannot_take_with_the_field_named(plain_requests, make, match):
+    kwargs = make()
+    srv = _server()
+
+    async def scenario(fake):
+        with pytest.raises(ValueError, match=match):
+            await srv.generate([1, 2], {}, request_id="r", **kwargs)
+        assert fake.requests == []
+        ok = {"video_data": [_video([[1, 2, 2]])]} if "video_data" in kwargs else {"image_data": [_image(0)]}
+        assert (await srv.generate([1, 2], {}, request_id="r", **ok)).token_ids == [3, 4, 5, 6]
+
+    _run(srv, scenario)

@@ -126,54 +126,176 @@ def test_a_rollout_rank_without_a_covered_plan_tells_the_trainer():
     assert stream.read == len(stream.items)
 
 
-def test_verl_drives_the_backend_as_its_checkpoint_engine_manager_does():
+class VerlBackend:
     """``checkpoint_engine.backend=sgl_rollout`` through verl's registry and its manager's contract
     (``verl/checkpoint_engine/base.py``): trainers made with ``is_master``, rollout workers without;
-    ``prepare`` on all, ``build_topology``'s lists as long as each group, ``init_process_group``, the
-    trainers' ``send_weights`` and the rollout workers' ``receive_weights`` (handed to the adapter,
-    here the fast path directly), ``finalize``; two syncs over the one group."""
+    each sync runs ``prepare`` on all, ``build_topology`` (lists as long as each group),
+    ``init_process_group``, the trainers' ``send_weights`` and the rollout workers' ``receive_weights``
+    (handed to the adapter, here the fast path directly), ``finalize``."""
+
+    def __init__(self, a=2, tp=2, timeout_s=600.0):
+        pytest.importorskip("verl")
+        import verl  # noqa: F401 - loads this package's plugin, which registers the backend
+        from verl.checkpoint_engine.base import CheckpointEngineRegistry
+
+        from sgl_rollout.integrations.verl_checkpoint_engine import BACKEND
+
+        self.a, self.tp = a, tp
+        self.trainers = [CheckpointEngineRegistry.new(BACKEND, is_master=(j == 0), bucket_size=1 << 20,
+                                                      timeout_s=timeout_s) for j in range(a)]
+        self.rollouts = [CheckpointEngineRegistry.new(BACKEND, bucket_size=1 << 20, timeout_s=timeout_s)
+                         for _ in range(tp)]
+        self.models = [SGLangShaped(r, tp, **KW) for r in range(tp)]
+        _, self.senders = split_senders(self.models, hf_weights(seed=0, **KW), 3000, tp)
+
+    @property
+    def engines(self):
+        return self.trainers + self.rollouts
+
+    def build(self):
+        """verl's ``build_process_group``: prepare, build_topology, init_process_group on every side."""
+        with _stub_node_ip():
+            self.metadata = [e.prepare() for e in self.engines]
+        assert [m["role"] for m in self.metadata] == ["trainer"] * self.a + ["rollout"] * self.tp
+        actor, rollout = type(self.trainers[0]).build_topology(self.a, self.tp, self.metadata)
+        assert all(len(v) == self.a for v in actor.values()) and all(len(v) == self.tp for v in rollout.values())
+        kwargs = [{k: v[j] for k, v in actor.items()} for j in range(self.a)]
+        kwargs += [{k: v[i] for k, v in rollout.items()} for i in range(self.tp)]
+        on_threads([lambda e=e, kw=kw: e.init_process_group(**kw) for e, kw in zip(self.engines, kwargs)])
+        return [e._group for e in self.engines]
+
+    def sync(self, w, step, rollout_ranks=None):
+        """One sync of ``w`` (each trainer's stream a fresh iterator); ``rollout_ranks``: the rollout workers
+        that take part (None: all). Each side's result or exception, trainers first."""
+        import asyncio
+
+        from sgl_rollout.weight_sync.p2p import PlanReceipt
+
+        self.build()
+
+        def rollout(k):
+            receipt = self.rollouts[k].receive_weights(global_steps=step)
+            assert isinstance(receipt, PlanReceipt) and receipt.source == k % self.a
+            return _as_rank(k, lambda: receive_plan_buckets(self.senders[k], receipt))
+
+        ranks = range(self.tp) if rollout_ranks is None else rollout_ranks
+        out = on_threads([lambda j=j: asyncio.run(self.trainers[j].send_weights(iter(w), global_steps=step))
+                          for j in range(self.a)] + [lambda k=k: rollout(k) for k in ranks])
+        [e.finalize() for e in self.engines]
+        return out
+
+
+def test_verl_drives_the_backend_as_its_checkpoint_engine_manager_does():
+    """Two syncs over the one group, each bit-exact against SGLang's ``load_weights``."""
+    from sgl_rollout.integrations.verl_checkpoint_engine import WIRE_FORMAT
+
+    v = VerlBackend()
+    assert v.rollouts[0].wire_format == WIRE_FORMAT
+    for seed in (5, 6):
+        w = hf_weights(seed=seed, **KW)
+        out = v.sync(w, seed)
+        assert not any(isinstance(o, BaseException) for o in out), out
+        assert all(o["sgl_rollout/send_bytes"] > 0 for o in out[:v.a])
+        assert_same_params(v.models, reference(v.tp, w, **KW))
+        if seed == 5:
+            first = [e._group for e in v.engines]
+    assert all(e._group is f for e, f in zip(v.engines, first))  # the group lived across both syncs
+
+
+# ====================================================================== bad input never hangs or aborts
+# Issue 46: each of these hung until the transport's timeout, aborted the process, or broke later syncs.
+
+def test_a_plan_that_never_comes_is_named_to_the_trainer_and_to_the_ranks_already_waiting(monkeypatch):
+    """Rollout worker 1's plan is lost on its way to the store: trainer 0 (serving workers 0 and 1) waits
+    ``plan_wait_s`` for it, then ends the sync, and both workers, which wait for their buckets, learn why
+    within seconds instead of after the transfer timeout. The next sync gets a new group on every side
+    (the failed one may be mid-message) and succeeds."""
+    import time
+
+    from sgl_rollout.weight_sync import p2p
+
+    v = VerlBackend(a=1, tp=2, timeout_s=30)
+    v.build()
+    for e in v.engines:
+        e._group.plan_wait_s = 2.0
+    publish = p2p.PlanReceipt.publish
+    monkeypatch.setattr(p2p.PlanReceipt, "publish", lambda self, plan: None if self.index == 1 else publish(self, plan))
+    w = hf_weights(seed=7, **KW)
+    t0 = time.monotonic()
+    out = _sync_with_groups(v, w, rollout_ranks=[0, 1])
+    assert time.monotonic() - t0 < 15  # the plan wait (2 s), not the transfer timeout (30 s)
+    assert isinstance(out[0], TrainerRefused) and "rollout worker 1: no copy plan came within 2 s" in str(out[0])
+    for o in out[1:]:
+        assert isinstance(o, TrainerRefused) and "rollout worker 1: no copy plan came" in str(o), out
+    monkeypatch.setattr(p2p.PlanReceipt, "publish", publish)
+    old = [e._group for e in v.engines]
+    with _stub_node_ip():
+        assert [e.prepare()["broken"] for e in v.engines] == [True, True, True]
+    out = v.sync(w, 8)
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert all(e._group is not g for e, g in zip(v.engines, old))  # a new group on every side
+    assert_same_params(v.models, reference(v.tp, w, **KW))
+
+
+def _sync_with_groups(v, w, rollout_ranks):
+    """One sync over the groups ``v`` has now (no new ``build``)."""
     import asyncio
 
-    pytest.importorskip("verl")
-    import verl  # noqa: F401 - loads this package's plugin, which registers the backend
-    from verl.checkpoint_engine.base import CheckpointEngineRegistry
+    def rollout(k):
+        return _as_rank(k, lambda: receive_plan_buckets(v.senders[k], v.rollouts[k].receive_weights(global_steps=1)))
 
-    from sgl_rollout.integrations.verl_checkpoint_engine import BACKEND, WIRE_FORMAT
-    from sgl_rollout.weight_sync.p2p import PlanReceipt
+    return on_threads([lambda j=j: asyncio.run(v.trainers[j].send_weights(iter(w), global_steps=1))
+                       for j in range(v.a)] + [lambda k=k: rollout(k) for k in rollout_ranks])
 
-    a, tp = 2, 2
-    trainers = [CheckpointEngineRegistry.new(BACKEND, is_master=(j == 0), bucket_size=1 << 20) for j in range(a)]
-    rollouts = [CheckpointEngineRegistry.new(BACKEND, bucket_size=1 << 20) for _ in range(tp)]
-    assert rollouts[0].wire_format == WIRE_FORMAT
-    models = [SGLangShaped(r, tp, **KW) for r in range(tp)]
-    _, senders = split_senders(models, hf_weights(seed=0, **KW), 3000, tp)
-    for seed in (5, 6):
-        with _stub_node_ip():
-            metadata = [t.prepare() for t in trainers] + [r.prepare() for r in rollouts]
-        assert [m["role"] for m in metadata] == ["trainer"] * a + ["rollout"] * tp
-        actor_kwargs, rollout_kwargs = type(trainers[0]).build_topology(a, tp, metadata)
-        assert all(len(v) == a for v in actor_kwargs.values()) and all(len(v) == tp for v in rollout_kwargs.values())
-        engines = trainers + rollouts
-        kwargs = [{k: v[j] for k, v in actor_kwargs.items()} for j in range(a)]
-        kwargs += [{k: v[k2] for k, v in rollout_kwargs.items()} for k2 in range(tp)]
-        on_threads([lambda e=e, kw=kw: e.init_process_group(**kw) for e, kw in zip(engines, kwargs)])
-        groups = [e._group for e in engines]
-        assert all(groups)
-        w = hf_weights(seed=seed, **KW)
-        def rollout(k):
-            receipt = rollouts[k].receive_weights(global_steps=seed)
-            assert isinstance(receipt, PlanReceipt) and receipt.source == k % a
-            return _as_rank(k, lambda: receive_plan_buckets(senders[k], receipt))
 
-        out = on_threads([lambda j=j: asyncio.run(trainers[j].send_weights(iter(w), global_steps=seed))
-                          for j in range(a)] + [lambda k=k: rollout(k) for k in range(tp)])
-        assert not any(isinstance(o, BaseException) for o in out), out
-        assert all(o["sgl_rollout/send_bytes"] > 0 for o in out[:a])
-        assert_same_params(models, reference(tp, w, **KW))
-        [e.finalize() for e in engines]
-        if seed == 5:
-            first = groups
-    assert all(g is f for g, f in zip(groups, first))  # the group lived across both syncs
+def test_weights_that_are_not_iterable_end_every_link_with_the_reason():
+    import time
+
+    rig = Rig(1, 2)
+    t0 = time.monotonic()
+    out = rig.sync([42])
+    assert time.monotonic() - t0 < 15  # not the group's 30-s timeout
+    assert isinstance(out[0], TypeError), out
+    for o in out[1:]:
+        assert isinstance(o, TrainerRefused) and "TypeError" in str(o) and "not iterable" in str(o), o
+    assert all(g.broken for g in rig.groups)
+
+
+def test_plans_that_differ_fail_the_sync_without_aborting_the_process():
+    """The trainer packs a plan other than the one the rollout rank receives by (here: the published
+    plan's buckets are twice as large). The rollout rank reads the trainer's buckets by the sizes their
+    headers give, so no read takes bytes for a header (gloo aborted the process on that), and the sync
+    fails on the rollout side with the reason."""
+    from sgl_rollout.weight_sync import p2p
+
+    rig = Rig(1, 2)
+
+    class Twice(PlanReceipt):
+        def publish(self, plan):
+            super().publish(dict(plan, bucket_bytes=2 * plan["bucket_bytes"]))
+
+    def rollout(k):
+        return _as_rank(k, lambda: receive_plan_buckets(rig.senders[k], Twice(rig.groups[1 + k], source=0, index=k)))
+
+    w = hf_weights(seed=9, **KW)
+    out = on_threads([lambda: send_plan_buckets(rig.groups[0], rig.peers(0), iter(w))] +
+                     [lambda k=k: rollout(k) for k in range(2)])
+    assert not isinstance(out[0], BaseException), out  # the trainer sent what it packed
+    for o in out[1:]:
+        assert isinstance(o, p2p.FastPathError) and "plans differ" in str(o), o
+        assert all(g.broken for g in rig.groups[1:])
+
+
+def test_send_and_receive_before_init_process_group_say_so():
+    import asyncio
+
+    v = VerlBackend(a=1, tp=1)
+    stream = Counting(hf_weights(seed=2, **KW))
+    with pytest.raises(RuntimeError, match="send_weights before init_process_group"):
+        asyncio.run(v.trainers[0].send_weights(iter(stream)))
+    assert stream.read == len(stream.items)  # read to the end all the same: verl's gathers are collective
+    with pytest.raises(RuntimeError, match="receive_weights before init_process_group"):
+        v.rollouts[0].receive_weights()
 
 
 class _stub_node_ip:
@@ -191,6 +313,9 @@ class _stub_node_ip:
 
 @pytest.mark.parametrize("cfg", [
     {"checkpoint_engine": {"backend": "sgl_rollout"}, "engine_kwargs": {"sgl_rollout": {"fast_sync": False}}},
+    # the strings the engine reads as False (pydantic's bool), which a truth test took for True (issue 46)
+    {"checkpoint_engine": {"backend": "sgl_rollout"}, "engine_kwargs": {"sgl_rollout": {"fast_sync": "no"}}},
+    {"checkpoint_engine": {"backend": "sgl_rollout"}, "engine_kwargs": {"sgl_rollout": {"fast_sync": "false"}}},
     {"checkpoint_engine": {"backend": "sgl_rollout"}, "quantization": "fp8"},
 ])
 def test_the_backend_without_the_fast_path_is_refused_at_start_up_in_one_line(cfg):

@@ -247,3 +247,77 @@ def test_generate_waiting_at_the_pause_is_held_through_back_to_back_updates(plai
 
     fake = _run(scenario).engine._engine
     assert fake.mixed_weight_generates == 0 and not fake.dead
+
+
+# ------------------------------------------------------------------ parked requests never wait forever
+# A request parked at a pause waits for resume_generation; when that cannot come, it ends with the reason
+# (issue 46: each case hung until the caller gave up).
+async def _parked(srv):
+    await srv.abort_all_requests()
+    waiting = asyncio.ensure_future(srv.generate([5, 6], {"max_new_tokens": 2}, request_id="w"))
+    await asyncio.sleep(0.02)
+    assert not waiting.done()
+    return waiting
+
+
+async def _ends_within(waiting, seconds):
+    t0 = time.monotonic()
+    done, _ = await asyncio.wait([waiting], timeout=seconds)
+    assert done, f"the parked request was still waiting after {seconds} s"
+    return time.monotonic() - t0
+
+
+def test_a_parked_request_ends_when_the_pauses_sync_fails(plain_requests):
+    async def scenario(srv, fake):
+        waiting = await _parked(srv)
+        await srv.begin_weight_sync()
+        await srv.update_weights_from_payloads([b"half"])
+        await srv.finish_weight_sync(ok=False)  # verl's manager raises here and never resumes generation
+        assert await _ends_within(waiting, 0.2) < 0.2
+        with pytest.raises(RuntimeError, match="will not come: the weight sync of this pause failed"):
+            waiting.result()
+        with pytest.raises(RuntimeError, match="weight sync of this pause failed"):  # and so does a new one
+            await srv.generate([5, 6], {"max_new_tokens": 2}, request_id="late")
+        await _weight_update(srv, 2)  # the next complete update serves again
+        assert (await srv.generate([5, 6], {"max_new_tokens": 2}, request_id="ok")).token_ids == [7, 8]
+
+    assert not _run(scenario).engine._engine.dead
+
+
+def test_a_parked_request_ends_when_the_engine_dies(plain_requests):
+    from sgl_rollout.engine import EngineDeadError
+
+    async def scenario(srv, fake):
+        waiting = await _parked(srv)
+        fake.kill_scheduler()
+        await _ends_within(waiting, 5.0)
+        with pytest.raises(EngineDeadError):
+            waiting.result()
+
+    _run(scenario)
+
+
+def test_a_parked_request_ends_when_the_engine_restarts(plain_requests):
+    async def scenario(srv, fake):
+        waiting = await _parked(srv)
+        await srv.restart()
+        await _ends_within(waiting, 2.0)
+        with pytest.raises(RuntimeError, match="the engine restarted while this request waited"):
+            waiting.result()
+
+    _run(scenario)
+
+
+def test_a_parked_request_ends_when_the_server_shuts_down(plain_requests):
+    srv = _server()
+
+    async def body():
+        await srv.start()
+        waiting = await _parked(srv)
+        await srv.shutdown()
+        await _ends_within(waiting, 1.0)
+        return waiting
+
+    waiting = asyncio.run(body())
+    with pytest.raises(RuntimeError, match="will not come: the server shut down"):
+        waiting.result()

@@ -103,3 +103,9 @@ def test_only_0_5_12_lets_a_processor_output_video_through_preprocess_video(vers
     assert ("return vr\n" in pre + "\n") is not passes
     assert "base_output.videos, video_metadata = map(list, zip(*videos_processed))" in _function(
         procs / "qwen_vl.py", "process_mm_data_async")
+
+
+def test_a_grid_that_is_not_n_by_3_is_refused_naming_the_field():
+    bad = dict(VIDEO, video_grid_thw=[1, 2, 2, 2])
+    with pytest.raises(ValueError, match=r"video_grid_thw of a processor-output item must be N x 3 .*\(4,\)"):
+        patch.with_grids(None, _loaded(videos=[bad]))

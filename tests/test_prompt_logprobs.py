@@ -84,6 +84,43 @@ def test_engine_refuses_prompt_logprob_arguments_sglang_would_ignore_or_fail(pla
         eng.shutdown()
 
 
+def _model_dir(tmp_path, vocab):
+    (tmp_path / "config.json").write_text(f'{{"vocab_size": {vocab}, "num_attention_heads": 2}}')
+    return str(tmp_path)
+
+
+def test_engine_refuses_more_top_logprobs_than_the_vocabulary_before_sglang(plain_requests, tmp_path):
+    """SGLang's ``topk`` over more logits than the model has raises inside its scheduler, which dies and
+    takes the host process with it (issue 46): the engine refuses such a request in Python, naming the
+    limit, and the engine still serves."""
+    eng = RolloutEngine(RolloutConfig(model_path=_model_dir(tmp_path, 16), enforce_eager=True),
+                        engine_factory=FakeSGLangEngine)
+    try:
+        with pytest.raises(ValueError, match="top_logprobs_num=17 exceeds the model's vocabulary of 16 tokens"):
+            eng.generate([[5, 6, 9]], {"max_new_tokens": 1}, logprob_start_len=0, top_logprobs_num=17)
+        assert eng._engine.calls == [] and eng.state.in_flight == 0  # nothing reached SGLang
+        out = eng.generate([[5, 6, 9]], {"max_new_tokens": 1}, logprob_start_len=0, top_logprobs_num=16)
+        assert len(out[0][0].prompt_top_logprobs) == 3
+    finally:
+        eng.shutdown()
+
+
+def test_verl_teacher_asking_more_top_logprobs_than_the_vocabulary_gets_an_error_not_a_dead_server(
+        plain_requests, tmp_path):
+    srv = verl_server(response_length=7, model_path=_model_dir(tmp_path, 16))
+
+    async def scenario(fake):
+        with pytest.raises(ValueError, match="exceeds the model's vocabulary of 16 tokens"):
+            await srv.generate(prompt_ids=[7, 8, 12], sampling_params={"prompt_logprobs": 17, "max_tokens": 1},
+                               request_id="r1")
+        assert not fake.dead and fake.calls == []
+        out = await srv.generate(prompt_ids=[7, 8, 12], sampling_params={"prompt_logprobs": 2, "max_tokens": 1},
+                                 request_id="r2")
+        assert len(out.extra_fields["prompt_ids"]) == 3
+
+    _run(srv, scenario)
+
+
 # ------------------------------------------------------------------------------------------ verl server
 def _verl_extractor():
     """verl 0.9.1's ``_extract_prompt_logprobs_sglang``, taken from its installed source file (the module

@@ -3,6 +3,7 @@ their caller stops waiting."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -52,6 +53,14 @@ class GenerateCalls:
     counted (:class:`~sgl_rollout.memory.MemoryState`) until SGLang has ended it, so a release cannot
     trip the scheduler's idle assertion.
     """
+
+    @functools.cached_property
+    def vocab_size(self: EngineCore) -> Optional[int]:
+        """The served model's vocabulary size, from its ``config.json`` (read once); None where unknown.
+        Bounds ``top_logprobs_num`` before a request reaches the scheduler (:func:`_prompt_logprob_args`)."""
+        from ..config import vocab_size_of_model_path
+
+        return vocab_size_of_model_path(self.config.model_path)
 
     def _start_generate(self: EngineCore, input_ids, sampling_params, n, return_logprob, lora_path=None,
                         request_args=None):
@@ -144,11 +153,14 @@ class GenerateCalls:
                 last weight sync did not complete.
             EngineDeadError: the engine died (before or during the call); EngineClosedError: shut down.
             ValueError: ``n`` < 1, an empty batch, ``lora_path`` names no loaded adapter,
-                ``logprob_start_len`` / ``top_logprobs_num`` out of range or without what they need, or
-                ``image_data`` / ``video_data`` not one list (or None) per prompt.
+                ``logprob_start_len`` / ``top_logprobs_num`` out of range (``top_logprobs_num`` above the
+                model's vocabulary size, which would kill SGLang's scheduler) or without what they need, or
+                ``image_data`` / ``video_data`` not one list (or None) per prompt, an item an array or
+                tensor, or a processor-output item's grid not ``N x 3`` (:func:`_check_media_item`).
             KeyboardInterrupt: re-raised after the batch's requests were aborted in SGLang.
         """
-        args = _prompt_logprob_args(input_ids, return_logprob, logprob_start_len, top_logprobs_num)
+        args = _prompt_logprob_args(input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                                    self.vocab_size)
         args.update(_multimodal_args(len(input_ids), n, image_data=image_data, video_data=video_data))
         fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path, args)
         outs = yield self.waiting(fut, lambda: self._abort(rids))
@@ -174,9 +186,12 @@ def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
     return [list(p) for p in input_ids for _ in range(n)]
 
 
-def _prompt_logprob_args(input_ids, return_logprob: bool, start: Optional[int], top: int) -> Dict[str, int]:
+def _prompt_logprob_args(input_ids, return_logprob: bool, start: Optional[int], top: int,
+                         vocab_size: Optional[int] = None) -> Dict[str, int]:
     """SGLang's ``logprob_start_len`` / ``top_logprobs_num`` for a request of prompt logprobs (empty
-    when none is asked for, so SGLang keeps its defaults)."""
+    when none is asked for, so SGLang keeps its defaults). ``vocab_size`` (None: unknown, unchecked)
+    bounds ``top_logprobs_num``: SGLang's ``topk`` over more logits than there are would raise inside
+    the scheduler and kill it (:func:`sgl_rollout.config.vocab_size_of_model_path`)."""
     if start is None:
         if top:
             raise ValueError("top_logprobs_num needs logprob_start_len (the prompt positions to return them for)")
@@ -187,6 +202,9 @@ def _prompt_logprob_args(input_ids, return_logprob: bool, start: Optional[int], 
         raise ValueError(f"logprob_start_len must be an int >= 0, got {start!r}")
     if isinstance(top, bool) or not isinstance(top, int) or top < 0:
         raise ValueError(f"top_logprobs_num must be an int >= 0, got {top!r}")
+    if vocab_size is not None and top > vocab_size:
+        raise ValueError(f"top_logprobs_num={top} exceeds the model's vocabulary of {vocab_size} tokens "
+                         "(SGLang's scheduler would die on it)")
     short = [len(p) for p in input_ids if len(p) < start]
     if short:  # SGLang's scheduler would abort the request with an error
         raise ValueError(f"logprob_start_len={start} exceeds a prompt of {short[0]} tokens")
@@ -211,9 +229,52 @@ def _multimodal_args(batch: int, n: int, **per_prompt: Optional[list]) -> Dict[s
         bad = [type(e).__name__ for e in entries if e is not None and not isinstance(e, (list, tuple))]
         if bad:
             raise ValueError(f"{key}: each prompt's entry is a list of items or None, got {bad[0]}")
+        for entry in entries:
+            for item in entry or ():
+                _check_media_item(key, item)
         if any(entries):
             args[key] = [list(e or []) for e in entries for _ in range(n)]
     return args
+
+
+#: The grid fields of a processor-output item: one ``(t, h, w)`` row per image or video.
+GRID_FIELDS = ("image_grid_thw", "video_grid_thw")
+
+
+def _check_media_item(key: str, item: Any) -> None:
+    """Refuse, in one line naming the field, a multimodal item SGLang would fail on later with a message
+    that names none: an array or tensor (SGLang's ``load_image`` takes ``PIL.Image``, bytes, a path, a
+    URL or base64; ``sglang/srt/utils/common.py``), or a processor-output dict whose ``image_grid_thw`` /
+    ``video_grid_thw`` is not ``N x 3`` (the rotary positions read one ``(t, h, w)`` row per item).
+
+    Raises:
+        ValueError: as above.
+    """
+    if isinstance(item, dict):
+        if item.get("format") != "processor_output":
+            return
+        for field_name in GRID_FIELDS:
+            grid = item.get(field_name)
+            if grid is None:
+                continue
+            shape = tuple(getattr(grid, "shape", ())) or _list_shape(grid)
+            if not (shape == (3,) or (len(shape) == 2 and shape[1] == 3 and shape[0] > 0)):
+                raise ValueError(f"{key}: a processor-output item's {field_name} must be N x 3 (t, h, w per "
+                                 f"item), got shape {shape}")
+        return
+    if hasattr(item, "shape") and hasattr(item, "dtype"):
+        raise ValueError(f"{key}: an item is a {type(item).__name__} of shape {tuple(item.shape)}; SGLang takes "
+                         "a PIL image, bytes, a path, a URL or base64, or a {'format': 'processor_output', ...} dict")
+
+
+def _list_shape(value: Any) -> Tuple[int, ...]:
+    """The shape of nested lists (``[[1, 2, 2]]`` -> ``(1, 3)``; ragged or scalar -> ``()``)."""
+    if not isinstance(value, (list, tuple)):
+        return ()
+    if value and all(isinstance(v, (list, tuple)) for v in value):
+        widths = {len(v) for v in value}
+        return (len(value), widths.pop()) if len(widths) == 1 else ()
+    return (len(value),)
 
 
 def _group(outs: List[Dict[str, Any]], n: int, with_logprob: bool, with_prompt: bool = False,

@@ -110,14 +110,19 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
     @trace.traced("ckpt.prepare")
     def prepare(self) -> Dict[str, Any]:
         """This worker's metadata; trainer rank 0 names the group's store (the same address while
-        the group lives). Allocates nothing."""
+        the group lives), and ``broken`` says this worker's last sync failed part-way (its group must
+        not carry another: :meth:`build_topology` then numbers a new one for every side). Allocates
+        nothing."""
         if self.is_master and self._master is None:
             self._master = (_node_ip(), _free_port())
-        return {"role": "trainer" if self.trainer else "rollout", "master": self._master, "gpu": _gpu_uuid()}
+        broken = self._group is not None and self._group.broken
+        return {"role": "trainer" if self.trainer else "rollout", "master": self._master, "gpu": _gpu_uuid(),
+                "broken": broken}
 
     @classmethod
     def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list):
-        """:func:`topology`, with trainer rank 0's store address (``metadata[0]``).
+        """:func:`topology`, with trainer rank 0's store address (``metadata[0]``) and the number of the
+        group every side joins: a new one for a new layout or after a failed sync (any ``broken``).
 
         Raises:
             RuntimeError: trainer rank 0 named no store.
@@ -135,7 +140,9 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
                              "share a GPU with the trainer rank that would serve them (colocated replicas); "
                              "use checkpoint_engine.backend=naive there")
         layout = (a, int(rollout_world_size), tuple(master), tuple(m.get("gpu") for m in metadata))
-        if layout != cls._layout:  # a new layout (replicas added or removed): a new group, new keys
+        # a new layout (replicas added or removed), or a group a failed sync left part-way (issue 46: a
+        # timed-out transfer made every later sync fail at once): a new group, new keys, on every side
+        if layout != cls._layout or any(m.get("broken") for m in metadata):
             cls._layout, cls._generation = layout, cls._generation + 1
         actor, rollout = topology(a, rollout_world_size, tuple(master))
         actor["generation"] = [cls._generation] * a
@@ -171,13 +178,21 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
         to the end: verl's generator gathers collectively); returns verl's sync metrics (seconds, bytes).
 
         Raises:
+            RuntimeError: called before :meth:`init_process_group` (``weights`` read to the end first).
             SyncValidationError, TrainerRefused: see :func:`~sgl_rollout.weight_sync.p2p.send_plan_buckets`.
         """
         stats = send_plan_buckets(self._group, self.peers, weights, renamer=_renamer)
         return {"sgl_rollout/send_s": stats.seconds, "sgl_rollout/send_bytes": float(stats.bytes)}
 
     def receive_weights(self, global_steps: Optional[int] = None) -> PlanReceipt:
-        """The receipt the adapter receives with (not a generator: verl hands it on unread)."""
+        """The receipt the adapter receives with (not a generator: verl hands it on unread).
+
+        Raises:
+            RuntimeError: called before :meth:`init_process_group`, or on a trainer rank.
+        """
+        if self._group is None or self.trainer:
+            raise RuntimeError("receive_weights before init_process_group" if self._group is None else
+                               "receive_weights on a trainer rank: trainer ranks send_weights")
         (source, index), = self.peers
         return PlanReceipt(self._group, source, index)
 

@@ -196,7 +196,7 @@ def check_verl_features(cfg, model_config=None, prefix: str = ROLLOUT_PREFIX) ->
                "delta weight syncs (wire_format='delta_flush') need verl's custom SGLang weight loader",
                f"backend=naive or nccl/nixl (full weights), or {VERL_BUILTIN}")
     ours = dict(_get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {})
-    if backend == "sgl_rollout" and (not ours.get("fast_sync", True) or _get(cfg, "quantization", None) == "fp8"):
+    if backend == "sgl_rollout" and (_fast_sync_setting(ours) is False or _get(cfg, "quantization", None) == "fp8"):
         refuse(f"{prefix}.checkpoint_engine.backend", backend,
                "it sends the fast path's copy-plan buckets, so it needs engine_kwargs.sgl_rollout.fast_sync=True "
                "and unquantized weights", "backend=nccl, or fast_sync=True without quantization")
@@ -277,6 +277,18 @@ def _map_sglang_kwargs(engine_kwargs: dict, kwargs: dict, prefix: str) -> List[s
         elif key in MANAGED_SERVER_ARGS:
             bad.append(f"{prefix}.engine_kwargs.sglang.{key}: {MANAGED_SERVER_ARGS[key]}; remove the key")
     return bad
+
+
+def _fast_sync_setting(ours) -> Optional[bool]:
+    """``engine_kwargs.sgl_rollout.fast_sync`` read as the engine reads it (pydantic's ``bool``: ``"no"``,
+    ``"false"``, ``"off"``, ``0`` are False, as a truth test would not have them); None when absent or not a
+    boolean (:func:`_map_sgl_rollout_kwargs` refuses the latter)."""
+    if "fast_sync" not in ours:
+        return None
+    try:
+        return TypeAdapter(bool).validate_python(ours["fast_sync"])
+    except ValidationError:
+        return None
 
 
 def _map_sgl_rollout_kwargs(cfg, kwargs: dict, prefix: str) -> List[str]:

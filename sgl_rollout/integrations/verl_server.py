@@ -227,6 +227,10 @@ class VerlRolloutServer(RolloutServer):
         self._port_sock, self._port = reserve_port(self._host)
         self._accepting: Optional[asyncio.Event] = None
         self._reject = False
+        #: why requests parked at a pause must end instead of waiting for resume_generation (a failed
+        #: weight sync, a shutdown); None while nothing went wrong. Woken through _parked_wake.
+        self._pause_failure: Optional[str] = None
+        self._parked_wake: Optional[asyncio.Event] = None
         self._served = {"total": 0, "since_sleep": 0}
 
     # -------------------------------------------------------------- start-up
@@ -272,6 +276,9 @@ class VerlRolloutServer(RolloutServer):
             self._accepting.set()
         return self._accepting
 
+    #: Seconds between a parked request's looks at the engine (dead, restarted, shut down).
+    PARKED_POLL_S = 0.5
+
     async def _admit(self) -> None:
         """Return once generation is not paused (:meth:`abort_all_requests`).
 
@@ -279,13 +286,52 @@ class VerlRolloutServer(RolloutServer):
         held requests, but they run only at the loop's next turn; a pause begun before then (the next
         weight update's ``abort_all_requests`` right after the resume) must hold them again, or they
         would reach the engine during that update's weight sync and fail with ``MemoryStateError``.
+
+        A parked request does not wait for a resume that will not come (issue 46): it ends with the
+        reason when the weight sync of the pause fails (:meth:`finish_weight_sync` with ``ok=False``:
+        verl's checkpoint manager then never calls :meth:`resume_generation`), when the engine dies or
+        restarts (seen within :data:`PARKED_POLL_S`), or when the server shuts down.
+
+        Raises:
+            RuntimeError: paused with ``reject_request=True``; the pause's weight sync failed, or the
+                engine restarted while the request waited.
+            EngineDeadError, EngineClosedError: the engine died or was shut down while it waited.
         """
         gate = self._gate()
+        if gate.is_set():
+            return
+        engine = self._engine
+        started = engine.generation
+        wake = self._parked_wakeup()
         while not gate.is_set():
             if self._reject:
                 raise RuntimeError("this replica's generation is paused with reject_request=True "
                                    "(abort_all_requests); send the request to another replica")
-            await gate.wait()
+            if self._pause_failure is not None:
+                raise RuntimeError(f"this request waited for resume_generation, which will not come: "
+                                   f"{self._pause_failure}")
+            engine.check_alive()
+            if engine.generation != started:
+                raise RuntimeError("the engine restarted while this request waited for resume_generation; "
+                                   "its weights are the checkpoint's until the next weight sync")
+            waits = [asyncio.ensure_future(gate.wait()), asyncio.ensure_future(wake.wait())]
+            try:
+                await asyncio.wait(waits, timeout=self.PARKED_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    def _parked_wakeup(self) -> asyncio.Event:
+        if self._parked_wake is None:
+            self._parked_wake = asyncio.Event()
+        return self._parked_wake
+
+    def _end_parked(self, why: str) -> None:
+        """End every request parked at the pause with ``why`` (:meth:`_admit`), and every later one
+        until the next :meth:`abort_all_requests` or :meth:`resume_generation`."""
+        if self._accepting is not None and not self._accepting.is_set():
+            self._pause_failure = why
+            self._parked_wakeup().set()
 
     # -------------------------------------------------------------- generation
     def _max_new_tokens(self, params: dict, prompt_len: int) -> int:
@@ -346,8 +392,9 @@ class VerlRolloutServer(RolloutServer):
             NotImplementedError: audio input or per-request ``mm_processor_kwargs`` (neither reaches
                 SGLang through verl's built-in server either), or any other argument this server does
                 not serve.
-            ValueError: negative ``max_new_tokens`` or ``prompt_logprobs``, or the prompt does not fit
-                the context.
+            ValueError: negative ``max_new_tokens`` or ``prompt_logprobs``, ``prompt_logprobs`` above the
+                vocabulary size, the prompt does not fit the context, or an image or video SGLang cannot
+                take (an array or tensor, a processor-output grid not ``N x 3``), in one line naming it.
             RuntimeError: paused with ``reject_request=True``; SGLang's prompt logprobs do not cover the
                 prompt (:func:`teacher_prompt_logprobs`).
             MemoryStateError, EngineDeadError, EngineClosedError: from the engine, unchanged.
@@ -372,7 +419,7 @@ class VerlRolloutServer(RolloutServer):
         self._served["total"] += 1
         self._served["since_sleep"] += 1
         prompt = {} if top_k is None else {"logprob_start_len": 0, "top_logprobs_num": top_k}
-        mm = {k: [_items(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v}
+        mm = {k: [_items(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v is not None}
         gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
                                                  lora_path=self._request_adapter(), **prompt, **mm))[0][0]
         token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
@@ -458,6 +505,8 @@ class VerlRolloutServer(RolloutServer):
             EngineDeadError, EngineClosedError: from the engine.
         """
         self._reject = bool(reject_request)
+        self._pause_failure = None
+        self._parked_wakeup().clear()
         self._gate().clear()
         self._engine.abort_all()
         loop = asyncio.get_running_loop()
@@ -477,6 +526,7 @@ class VerlRolloutServer(RolloutServer):
     async def resume_generation(self) -> None:
         """Let requests run again after :meth:`abort_all_requests` (waiting ones start now)."""
         self._reject = False
+        self._pause_failure = None
         self._gate().set()
 
     async def clear_kv_cache(self) -> None:
@@ -520,8 +570,19 @@ class VerlRolloutServer(RolloutServer):
     async def stop_profile(self) -> None:
         """See :meth:`start_profile`."""
 
+    async def finish_weight_sync(self, ok: bool = True, global_steps: Optional[int] = None) -> None:
+        """:meth:`RolloutServer.finish_weight_sync`; a failed sync during a pause also ends the requests
+        parked at it (verl's checkpoint manager raises and never calls :meth:`resume_generation`)."""
+        try:
+            await super().finish_weight_sync(ok, global_steps)
+        finally:
+            if not ok:
+                self._end_parked("the weight sync of this pause failed; the engine refuses generates until a "
+                                 "weight sync completes")
+
     async def shutdown(self) -> None:
-        """Stop the engine's processes and give the reserved port back."""
+        """Stop the engine's processes and give the reserved port back; requests parked at a pause end."""
+        self._end_parked("the server shut down")
         try:
             await super().shutdown()
         finally:

@@ -90,14 +90,21 @@ class PeerGroup:
         timeout_s: seconds a store read or a transfer may wait (a peer that never comes raises then).
         prefix: the group's namespace in the store; every member must give the same one, and a new
             group on the same store a new one.
+        plan_wait_s: seconds a trainer rank waits for its rollout ranks' plans (at most ``timeout_s``);
+            the ranks whose plans came are then told which did not, instead of waiting ``timeout_s``.
 
     Raises:
         RuntimeError / DistNetworkError: the store could not be reached within ``timeout_s``.
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, device, timeout_s: float = 600.0,
-                 prefix: str = "g0"):
+                 prefix: str = "g0", plan_wait_s: float = 120.0):
         self.rank, self.world_size, self.device = int(rank), int(world_size), torch.device(device)
+        self.plan_wait_s = min(float(plan_wait_s), float(timeout_s))
+        #: set when a sync over this group failed part-way: a timed-out or refused transfer can leave a
+        #: link mid-message, so the next sync must get a new group (the verl backend reports it in
+        #: ``prepare`` and verl's driver then numbers a new one for every side)
+        self.broken = False
         timeout = datetime.timedelta(seconds=timeout_s)
         base = _store(host, int(port), self.rank == 0, timeout)
         self.store = torch.distributed.PrefixStore(f"sgl_rollout/{prefix}/", base)
@@ -137,6 +144,15 @@ class PeerGroup:
         obj = json.loads(self.store.get(key))
         self.store.delete_key(key)
         return obj
+
+    def take_all(self, keys: Sequence[str], wait_s: float) -> list:
+        """The objects under ``keys`` (each deleted from the store), waiting up to ``wait_s`` seconds for all
+        of them; None for each key that did not come by then."""
+        try:
+            self.store.wait(list(keys), datetime.timedelta(seconds=wait_s))
+        except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError on the timeout
+            logger.warning("not every rollout plan came within %.0f s", wait_s)
+        return [self.take(k) if self.store.check([k]) else None for k in keys]
 
 
 class _Wire:
@@ -225,7 +241,13 @@ class PlanPacker:
 
 
 def _drain(named_tensors) -> None:
-    for _ in named_tensors:  # verl's generators gather collectively: every trainer rank reads to the end
+    """Read ``named_tensors`` to the end (verl's generators gather collectively: every trainer rank reads
+    to the end); nothing for an object that is not iterable (the caller reports that)."""
+    try:
+        items = iter(named_tensors)
+    except TypeError:
+        return
+    for _ in items:
         pass
 
 
@@ -244,22 +266,33 @@ def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_
 
     Raises:
         SyncValidationError: the weights failed the manifest check (every link got the message).
-        TrainerRefused: a rollout rank published an error instead of its plan (the others got it too).
-        whatever ``named_tensors`` raises. In each case every link still open was ended with ERROR and
-        ``named_tensors`` was read to the end.
+        TrainerRefused: a rollout rank published an error instead of its plan, or none within
+            ``group.plan_wait_s`` (the others got the message).
+        RuntimeError: ``group`` is None (no ``init_process_group`` yet).
+        TypeError: ``named_tensors`` is not iterable; whatever it raises. In each case every link still
+        open was ended with ERROR, ``named_tensors`` was read to the end, and ``group.broken`` is set.
     """
     t0, stats = time.perf_counter(), SyncStats()
-    items = iter(named_tensors)
+    if group is None:
+        _drain(named_tensors)
+        raise RuntimeError("send_weights before init_process_group: this trainer rank has no group to send on")
     if not peers:
-        _drain(items)
+        _drain(named_tensors)
         return stats
     wire, open_links, b = _Wire(group), [], 0
     try:
-        plans = [group.take(plan_key(index)) for _, index in peers]
-        open_links = [rank for (rank, _), p in zip(peers, plans) if "error" not in p]
-        refused = [f"rollout worker {index}: {p['error']}" for (_, index), p in zip(peers, plans) if "error" in p]
+        plans = group.take_all([plan_key(index) for _, index in peers], group.plan_wait_s)
+        # every rank that did not refuse waits for a header: those whose plans came first, then those whose
+        # plans did not (a slow one still gets the reason; a dead one holds this rank until the timeout)
+        open_links = ([rank for (rank, _), p in zip(peers, plans) if p is not None and "error" not in p]
+                      + [rank for (rank, _), p in zip(peers, plans) if p is None])
+        refused = [f"rollout worker {index}: {p['error']}" for (_, index), p in zip(peers, plans)
+                   if p is not None and "error" in p]
+        refused += [f"rollout worker {index}: no copy plan came within {group.plan_wait_s:.0f} s"
+                    for (_, index), p in zip(peers, plans) if p is None]
         if refused:
             raise TrainerRefused("; ".join(refused))
+        items = iter(named_tensors)  # inside the try: weights that are not iterable end every link too
         packer = PlanPacker(plans, group.device, renamer(plans[0]) if renamer is not None else None)
         for d, b, view in packer.buckets(items):
             wire.send_head(peers[d][0], OK, b, view.numel())
@@ -271,12 +304,13 @@ def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_
         open_links = []
         stats.n_tensors, stats.max_bucket_bytes = packer.seen, packer.buffer.numel()
     except BaseException as exc:
+        group.broken = True
         for rank in open_links:
             try:
                 wire.send_error(rank, b, f"{type(exc).__name__}: {exc}")
             except Exception:  # noqa: BLE001 - the sync's own error is the one to raise
                 logger.exception("could not tell rollout rank %d that the sync failed", rank)
-        _drain(items)
+        _drain(named_tensors)
         raise
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -304,14 +338,29 @@ class PlanReceipt:
 
 
 class _Link:
-    """The rollout end of one link: receives bucket after bucket into the fast path's buffer views."""
+    """The rollout end of one link: receives bucket after bucket into the fast path's buffer views.
+
+    Every header is followed by the message it announces, so a link is read by the trainer's sizes, not
+    this rank's: a bucket this rank did not expect (the two sides' plans differ) is read into scratch
+    before the sync fails, so no later read takes the trainer's bytes for a header (gloo aborts the
+    process on a message of the wrong size).
+    """
+
+    #: Largest message (bytes) a header may announce; more means the stream is not this protocol's.
+    MAX_MESSAGE = 1 << 34
 
     def __init__(self, receipt: PlanReceipt, n_buckets: int):
         self.wire, self.src, self.n_buckets = _Wire(receipt.group), receipt.source, n_buckets
         self.next, self.ended, self.error = 0, False, ""
+        self.pending = 0  # bytes the trainer sent after the last header that were not read yet
 
     def _head(self, expect_b: int, expect_n: int) -> bool:
-        """Read a header; True for a bucket. Records the trainer's error or END."""
+        """Read a header; True for the expected bucket. Records the trainer's error or END.
+
+        Raises:
+            FastPathError: a bucket other than the expected one (the plans differ): its bytes are left
+                in :attr:`pending` for :meth:`finish`.
+        """
         code, b, n = self.wire.recv_head(self.src)
         if code == ERROR:
             self.ended, self.error = True, self.wire.recv_error(self.src, n)
@@ -321,9 +370,13 @@ class _Link:
             if expect_n:
                 self.error = f"the trainer ended the sync at bucket {self.next} of {self.n_buckets}"
             return False
-        if (code, b, n) != (OK, expect_b, expect_n):
-            raise FastPathError(f"the trainer's bucket ({code}, {b}, {n} bytes) is not bucket {expect_b} of "
-                                f"{expect_n} bytes of this rank's copy plan: the two sides' plans differ")
+        if code != OK or not 0 <= n <= self.MAX_MESSAGE:
+            self.ended = True  # not this protocol's header: nothing more can be read safely
+            raise FastPathError(f"the trainer sent a header ({code}, {b}, {n}) that is not this protocol's")
+        if (b, n) != (expect_b, expect_n):
+            self.pending = n
+            raise FastPathError(f"the trainer's bucket {b} of {n} bytes is not bucket {expect_b} of {expect_n} bytes "
+                                "of this rank's copy plan: the two sides' plans differ")
         return True
 
     def fill(self, i: int, b: int, view: torch.Tensor) -> None:
@@ -333,21 +386,35 @@ class _Link:
         self.wire.group.recv(view, self.src)
         self.next = b + 1
 
-    def finish(self, scratch: Callable[[int], torch.Tensor], sizes: Sequence[int]) -> None:
-        """Read the link to its end: buckets not taken (after a failure here) into ``scratch(n)``, then END.
+    def finish(self, scratch: Callable[[int], torch.Tensor]) -> None:
+        """Read the link to its end: every message the trainer sends after a failure here, each by the size
+        its header announces, into ``scratch(n)``; then END or the trainer's ERROR.
 
         Raises:
             TrainerRefused: the trainer ended the sync with an error (after every bucket, its last checks).
+            FastPathError: the trainer sent buckets this rank's plan does not have.
         """
-        while not self.ended and self.next < self.n_buckets:
-            n = int(sizes[self.next])
-            if self._head(self.next, n):
+        extra = 0
+        if self.pending:
+            self.wire.group.recv(scratch(self.pending)[: self.pending], self.src)
+            self.pending, extra = 0, 1
+        while not self.ended:
+            code, b, n = self.wire.recv_head(self.src)
+            if code == ERROR:
+                self.ended, self.error = True, self.wire.recv_error(self.src, n)
+            elif code == END:
+                self.ended = True
+            elif code == OK and 0 <= n <= self.MAX_MESSAGE:
                 self.wire.group.recv(scratch(n)[:n], self.src)
-                self.next += 1
-        if not self.ended:
-            self._head(self.next, 0)
+                extra += b >= self.n_buckets
+                self.next = b + 1
+            else:
+                self.ended = True
+                raise FastPathError(f"the trainer sent a header ({code}, {b}, {n}) that is not this protocol's")
         if self.error:
             raise TrainerRefused(f"the trainer ended the sync: {self.error}")
+        if extra:
+            raise FastPathError("the trainer sent buckets this rank's copy plan does not have: the plans differ")
 
 
 @trace.traced("ckpt.receive")
@@ -357,8 +424,9 @@ def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Opt
     Call inside the engine's sync fence. Asks for the copy plan (once per engine), publishes it with
     ``info`` (``model_path``, ``trust_remote_code``: how the trainer renames its names), receives each
     bucket into the fast path's buffer and has the engine scatter it (:meth:`FastPathSender._plan_rounds`),
-    then frees the buffer (the engine closes its handle). On any failure it reads the link to its end,
-    so the trainer rank never waits on this one.
+    then frees the buffer (the engine closes its handle). On any failure it reads the link to its end
+    (by the trainer's sizes: :class:`_Link`), so the trainer rank never waits on this one, and marks the
+    group broken (``receipt.group.broken``) so that the next sync gets a new one.
 
     Returns:
         SyncStats of the engine's rounds (``n_tensors`` 0: no tensor passes here).
@@ -374,6 +442,7 @@ def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Opt
                                 "checkpoint_engine.backend=nccl")
         receipt.publish(dict(plan_message(sender), **(info or {})))
     except BaseException as exc:
+        receipt.group.broken = True
         receipt.refuse(f"{type(exc).__name__}: {exc}")
         raise
     prog, r = sender._program, sender.tp_ranks[0]
@@ -390,13 +459,15 @@ def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Opt
             stats = sender._plan_rounds(bucket, lambda b: None, lambda: None)
         if stats.n_buckets:
             sender.engine.flush_cache()
+        link.finish(scratch)
     except BaseException:
-        try:
-            link.finish(scratch, prog.sizes[r])
-        except Exception:  # noqa: BLE001 - this sync's own error is the one to raise
-            logger.debug("the link ended with the trainer's error too", exc_info=True)
+        receipt.group.broken = True
+        if not link.ended:
+            try:
+                link.finish(scratch)
+            except Exception:  # noqa: BLE001 - this sync's own error is the one to raise
+                logger.debug("the link ended with the trainer's error too", exc_info=True)
         raise
-    link.finish(scratch, prog.sizes[r])
     sender.release()
     stats.seconds = time.perf_counter() - t0
     return stats
