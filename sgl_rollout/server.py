@@ -31,7 +31,6 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import trace
 from .config import FAST_SYNC_LOADER, RolloutConfig
 from .engine import Generation
-from .switch import WAKE_ORDER
 
 #: Variables the engine actor reads back in :meth:`RolloutServer.env` (tests, ``doctor``).
 WATCHED_ENV = (
@@ -339,16 +338,22 @@ class RolloutServer:
             ValueError: unknown stage.
         """
         tags = await self._switch.async_resume_stage(stage)
-        if tags and self.layout is not None:
-            await self.memory_by_node(f"resume_{stage}")
+        if tags:
+            await self._after_stage(stage, tags)
         return tags
 
+    @trace.traced("server.wake_up")
     async def wake_up(self) -> List[str]:
-        """Resume everything released, stage by stage in wake order (weights first)."""
-        resumed: List[str] = []
-        for stage in WAKE_ORDER:
-            resumed += await self.resume_stage(stage)
-        return resumed
+        """Resume everything released: the switch's staged wake with nothing between the stages
+        (:meth:`Switch.wake <sgl_rollout.switch.Switch.wake>`; no cache to empty in this process). Returns
+        the tags resumed, weights first."""
+        await self._switch.async_wake(empty_cache=False, after_stage=self._after_stage)
+        return list(self._switch.last_resumed)
+
+    async def _after_stage(self, stage: str, tags: List[str]) -> None:
+        """A replica over nodes records every node's device memory after each resumed stage."""
+        if self.layout is not None:
+            await self.memory_by_node(f"resume_{stage}")
 
     # -------------------------------------------------------------- weights
     @trace.traced("server.begin_weight_sync")

@@ -89,6 +89,16 @@ def sleep_tags(engine_tags: Iterable[str], sleep_level: int) -> List[str]:
     return [t for s in stages for t in stage_tags(s, engine_tags)]
 
 
+def sleep_releases(stage: str, free_cache_engine: bool, sleep_level: int) -> bool:
+    """Whether a sleep with verl's ``free_cache_engine`` and ``sleep_level`` releases ``stage``: never
+    without ``free_cache_engine``; ``kv_cache`` at levels 1 and 2, ``weights`` at level 2 (:func:`sleep_tags`).
+
+    Raises:
+        ValueError: a level other than 1 or 2, or an unknown stage.
+    """
+    return bool(sleep_tags(stage_tags(stage), sleep_level)) and bool(free_cache_engine)
+
+
 class Switch:
     """The memory states of one replica's engine, moved in stages and timed.
 
@@ -104,6 +114,7 @@ class Switch:
             ``resume_weights``, each hook's name, ``empty_cache`` and its parts ``empty_cache.*``,
             ``resume_kv_cache``, ``switch_total``); callers add their own sub-phases.
         last_empty_cache: the last wake's :class:`~sgl_rollout.memory.EmptyCacheResult` as a dict.
+        last_resumed: the tags the last wake resumed, in order.
     """
 
     def __init__(self, engine, config, timeline: Optional[MemoryTimeline] = None):
@@ -112,6 +123,7 @@ class Switch:
         self.timeline = timeline
         self.last_phase_seconds: Dict[str, float] = {}
         self.last_empty_cache: Dict = {}
+        self.last_resumed: List[str] = []
 
     def phase(self, name: str, t0: float) -> float:
         """Record phase ``name`` as having run since ``t0`` (``time.perf_counter()`` seconds) and its
@@ -203,7 +215,8 @@ class Switch:
 
     resume_stage, async_resume_stage = twin(_resume_stage)
 
-    def _wake(self, hooks: Sequence[Hook] = (), empty_cache: bool = True, weights_undefined: bool = False):
+    def _wake(self, hooks: Sequence[Hook] = (), empty_cache: bool = True, weights_undefined: bool = False,
+              after_stage: Optional[Callable[[str, List[str]], Any]] = None):
         """The staged wake: resume ``weights`` -> each hook -> empty cache -> resume ``kv_cache``.
 
         Works asleep or awake: stages with nothing released are skipped, so with
@@ -218,9 +231,12 @@ class Switch:
             weights_undefined: a sync follows, and released weights without a CPU backup come back
                 undefined: mark them so (no generate admitted until a complete sync) *before* their
                 resume, so a caller interrupted right after it cannot leave them looking whole.
+            after_stage: ``(stage, tags resumed) -> None`` (or an awaitable), called after each stage
+                that resumed anything (the Ray server records every node's device memory there).
 
         Returns:
-            ``{phase name: hook's return value}`` of the hooks.
+            ``{phase name: hook's return value}`` of the hooks; :attr:`last_resumed` holds the tags
+            resumed, in order.
 
         Raises:
             MemoryStateError: requests run, or another operation is in progress.
@@ -232,7 +248,9 @@ class Switch:
         t_start = time.perf_counter()
         if weights_undefined and WEIGHTS in self.released_stages() and not self.config.enable_weights_cpu_backup:
             self.engine.state.sync_sent()
-        yield from self._resume_stage(WEIGHTS)
+        self.last_resumed = yield from self._resume_stage(WEIGHTS)
+        if after_stage is not None and self.last_resumed:
+            yield Step.call(after_stage, WEIGHTS, list(self.last_resumed))
         t0 = time.perf_counter()
         for name, fn in hooks:
             results[name] = yield Step.call(fn)
@@ -242,7 +260,10 @@ class Switch:
             self.phase("empty_cache", t0)
             self.last_phase_seconds.update(ec.phase_seconds())  # empty_cache.gc / .empty_cache / ...
             self.last_empty_cache = ec.to_dict()
-        yield from self._resume_stage(KV_CACHE)
+        kv = yield from self._resume_stage(KV_CACHE)
+        self.last_resumed = self.last_resumed + kv
+        if after_stage is not None and kv:
+            yield Step.call(after_stage, KV_CACHE, list(kv))
         self.last_phase_seconds["switch_total"] = time.perf_counter() - t_start
         return results
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sgl_rollout.bench import verl_compare, verl_probe
+from sgl_rollout.bench import processes, verl_compare, verl_probe
 from sgl_rollout.config import TPLayoutError, check_tp_layout, heads_of_model_path, model_heads, tp_layout_problem
 from verl_helpers import probe_dir, spans_in  # noqa: F401 - probe_dir is a fixture
 
@@ -722,8 +722,8 @@ def test_nvml_sampler_records_each_process_names_memory_once_a_second():
 def test_process_names_are_roles_not_pids(tmp_path, cmdline, name):
     (tmp_path / "42").mkdir()
     (tmp_path / "42" / "cmdline").write_bytes(cmdline)
-    assert verl_compare.process_name(42, proc=str(tmp_path)) == name
-    assert verl_compare.process_name(43, proc=str(tmp_path)) == "pid 43"
+    assert processes.process_name(42, proc=str(tmp_path)) == name
+    assert processes.process_name(43, proc=str(tmp_path)) == "pid 43"
 
 
 # ------------------------------------------------------------------------------------ TP layout

@@ -103,3 +103,49 @@ def test_the_import_check_sees_relative_and_nested_imports(tmp_path):
     mod.write_text("def run():\n    from ..bench import gpu_engine_flags\n    from . import task\n")
     assert {"sgl_rollout.bench", "sgl_rollout.bench.gpu_engine_flags", "sgl_rollout.demo.task"} <= \
         _imported_modules(mod, "sgl_rollout.demo")
+
+
+def _imports_between_modules():
+    """``{module: modules of this package it imports}``, lazy (function-level) imports included, read from
+    the source (``from . import x`` counts as the module ``x`` where ``x`` is one, else as the package)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {}
+    for f in (root / "sgl_rollout").rglob("*.py"):
+        parts = f.relative_to(root).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {m: set() for m in files}
+    for mod, f in files.items():
+        pkg = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not (node.level or (node.module or "").startswith("sgl_rollout")):
+                continue
+            if node.level:
+                base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module
+            subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in files]
+            graph[mod] |= {t for t in (subs if len(subs) == len(node.names) else [target, *subs])
+                           if t in files and t != mod}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle, lazy imports included (issue 46: bench.verl_compare and bench.verl_probe imported
+    each other): each module's imports can be read without coming back to it."""
+    graph = _imports_between_modules()
+    circles = []
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m == start:
+                circles.append(start)
+                break
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+    assert circles == []

@@ -178,3 +178,22 @@ def _bench() -> None:
 
 if __name__ == "__main__":
     _bench()
+
+
+def test_what_a_sleep_releases_is_the_switchs_rule_everywhere():
+    """``sleep_releases`` follows ``sleep_tags``, and the LoRA path's prediction of a released base
+    (``needs_base_sync`` without an observation) is that rule, not its own (issue 46)."""
+    from sgl_rollout.memory import KV_CACHE, WEIGHTS
+    from sgl_rollout.switch import sleep_releases
+    from sgl_rollout.weight_sync.lora import needs_base_sync
+
+    for fce in (True, False):
+        for level in (1, 2):
+            assert sleep_releases(KV_CACHE, fce, level) is fce
+            assert sleep_releases(WEIGHTS, fce, level) is (fce and level == 2)
+            assert needs_base_sync(free_cache_engine=fce, sleep_level=level, base_sync_done=True,
+                                   load_format="auto") is sleep_releases(WEIGHTS, fce, level)
+    with pytest.raises(ValueError, match="sleep_level must be 1 or 2"):
+        sleep_releases(WEIGHTS, True, 3)
+    with pytest.raises(ValueError, match="unknown stage"):
+        sleep_releases("lora", True, 1)

@@ -78,6 +78,8 @@ def bench_sync(args) -> Dict:
     """
     from ..config import RolloutConfig
     from ..engine import RolloutEngine
+    from ..memory import KV_CACHE
+    from ..switch import Switch
 
     model_dir = os.path.join(args.workdir, "llama-1.1b")
     make_llama_dir(model_dir, LLAMA_1B)
@@ -90,7 +92,7 @@ def bench_sync(args) -> Dict:
     try:
         # as in a colocated RL step: the KV cache is released while the weights arrive (SGLang flushed the
         # prefix cache when it released it, so no sync pays a flush)
-        engine.release(["kv_cache"])
+        Switch(engine, cfg).release_stage(KV_CACHE)  # the KV cache and its CUDA-graph memory
         senders = _fast_senders(engine, named, default_mb)
         results = _time_methods(engine, named, nbytes, default_mb, senders, args.repeats)
         peak = _sender_peaks(engine, named, default_mb, senders)
@@ -307,6 +309,8 @@ def bench_lora(args) -> Dict:
     serialize, SGLang's ``load_lora_adapter_from_tensors`` replacing the previous version)."""
     from ..config import RolloutConfig
     from ..engine import RolloutEngine
+    from ..memory import KV_CACHE
+    from ..switch import Switch
     from ..weight_sync import send_flattened_buckets
     from ..weight_sync.lora import AdapterSync
     from ..weight_sync.manifest import WeightManifest
@@ -324,7 +328,7 @@ def bench_lora(args) -> Dict:
         peft_config = {"r": args.rank, "lora_alpha": 2 * args.rank, "target_modules": list(LORA_TARGETS)}
         engine = RolloutEngine(cfg)
         try:
-            engine.release(["kv_cache"])
+            Switch(engine, cfg).release_stage(KV_CACHE)
             sync = AdapterSync(engine, manifest=WeightManifest.from_named_tensors(named))
 
             def full():

@@ -223,7 +223,7 @@ def memory_snapshot(at: str, **fields: Any) -> None:
     Fields: ``at`` (``"start"`` / ``"end"`` of ``verl.update_weights``), ``torch`` (this process's
     ``torch.cuda.memory_stats``: ``allocated``, ``reserved`` bytes and ``segments``), ``procs`` (every
     compute process NVML lists on this GPU: ``{"pid", "name", "used"}``, bytes; name as
-    :func:`.verl_compare.process_name`), ``used`` (the GPU's ``nvmlDeviceGetMemoryInfo().used``, bytes),
+    :func:`.processes.process_name`), ``used`` (the GPU's ``nvmlDeviceGetMemoryInfo().used``, bytes),
     ``dt`` (seconds this snapshot took) and ``error`` where NVML could not be read.
     """
     if not os.environ.get(ENV_DIR):
@@ -242,7 +242,7 @@ def memory_snapshot(at: str, **fields: Any) -> None:
                         "segments": st.get("segment.all.current", 0)}
         import pynvml
 
-        from .verl_compare import process_name
+        from .processes import process_name
 
         h = _nvml_handle(pynvml, "GPU-" + str(torch.cuda.get_device_properties(dev).uuid))
         rec["used"] = int(pynvml.nvmlDeviceGetMemoryInfo(h).used)

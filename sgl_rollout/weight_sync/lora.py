@@ -44,6 +44,8 @@ import torch
 
 from ..config import ALL_LINEAR_MODULES
 from ..lora_adapter import AdapterPayload, adapter_config_dict, check_adapter_config, stacked_modules as _stacked
+from ..memory import WEIGHTS
+from ..switch import sleep_releases
 from .bucket import NamedTensor, _checked_item, flatten_bucket, tensor_nbytes
 from .manifest import SyncValidationError, WeightManifest
 
@@ -107,11 +109,10 @@ def needs_base_sync(*, free_cache_engine: bool, sleep_level: int, base_sync_done
     Raises:
         ValueError: ``sleep_level`` not 1 or 2.
     """
-    if sleep_level not in (1, 2):
-        raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
+    predicted = sleep_releases(WEIGHTS, free_cache_engine, sleep_level)  # the switch's rule (validates the level)
     if is_dummy_load(load_format) and not base_sync_done:
         return True
-    released = (free_cache_engine and sleep_level == 2) if weights_released is None else bool(weights_released)
+    released = predicted if weights_released is None else bool(weights_released)
     return released and not weights_cpu_backup
 
 
