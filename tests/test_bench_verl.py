@@ -346,6 +346,7 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
 
     engine = Engine()
     server = types.SimpleNamespace(_engine=engine, _switch=Switch(engine, config=None), layout=None)
+    server._after_stage = lambda stage, tags: RolloutServer._after_stage(server, stage, tags)
     assert asyncio.run(RolloutServer.resume_stage(server, "kv_cache")) == ["kv_cache", "cuda_graph"]
     with pytest.raises(ValueError, match="unknown stage"):
         asyncio.run(RolloutServer.resume_stage(server, "optimizer"))
