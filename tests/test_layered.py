@@ -198,6 +198,10 @@ def _fsdp2_rank(rank: int, world: int, init_file: str, tied: bool) -> None:
             pass
         # the bounded-memory consumer: buckets closed at layers, one flat buffer at a time
         _check_layered_peak(model, bucket_bytes=4096)
+        # both ranks done before either tears gloo down: a rank that destroyed its group while the other
+        # still used its connections aborted that one once on CI's 2-core machine ("terminate called
+        # without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
