@@ -115,6 +115,11 @@ def test_a_refused_tensor_ends_the_sync_on_every_side_and_the_next_sync_succeeds
     out = rig.sync([iter(w)])
     assert not any(isinstance(o, BaseException) for o in out), out
     assert_same_params(rig.models, reference(2, w, **KW))
+    # an iterable that is not an iterator (each iter() a fresh pass, as a collective gather would be):
+    # after the refusal the pass begun is read to its end, and no second pass is started
+    again = Counting(bad)
+    out = rig.sync([again])
+    assert isinstance(out[0], SyncValidationError) and again.read == len(bad), (out[0], again.read)
 
 
 def test_a_rollout_rank_without_a_covered_plan_tells_the_trainer():

@@ -279,7 +279,7 @@ def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_
     if not peers:
         _drain(named_tensors)
         return stats
-    wire, open_links, b = _Wire(group), [], 0
+    wire, open_links, b, items = _Wire(group), [], 0, None
     try:
         plans = group.take_all([plan_key(index) for _, index in peers], group.plan_wait_s)
         # every rank that did not refuse waits for a header: those whose plans came first, then those whose
@@ -310,7 +310,7 @@ def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_
                 wire.send_error(rank, b, f"{type(exc).__name__}: {exc}")
             except Exception:  # noqa: BLE001 - the sync's own error is the one to raise
                 logger.exception("could not tell rollout rank %d that the sync failed", rank)
-        _drain(named_tensors)
+        _drain(named_tensors if items is None else items)  # the iterator begun, not a second one
         raise
     stats.seconds = time.perf_counter() - t0
     return stats
