@@ -23,3 +23,23 @@ def tiny_dir(tmp_path_factory):
     make_llama_dir(str(path), LLAMA_TINY, dtype=torch.bfloat16, with_weights=True, init_std=0.15)
     save_byte_level_tokenizer(path, LLAMA_TINY["vocab_size"])
     return str(path)
+
+
+_SESSION = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _SESSION["exitstatus"] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process with pytest's own status once pytest has reported everything, without the
+    interpreter's teardown: that teardown finalises native extensions (triton's nanobind module prints
+    its leaks there), and once in five clean-clone CI runs on 2 cores it ended in a segmentation fault
+    after every test had passed, turning a green run red. ``SGL_ROLLOUT_TEST_TEARDOWN=1`` keeps the
+    teardown (to look at that crash)."""
+    if "exitstatus" in _SESSION and os.environ.get("SGL_ROLLOUT_TEST_TEARDOWN") != "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_SESSION["exitstatus"])
