@@ -20,8 +20,10 @@ from typing import Callable, List, Optional, Tuple
 logger = logging.getLogger(__name__)
 
 #: A load-time renaming transformers anchors at the start of a checkpoint name: ``^visual`` or
-#: ``^model(?!\.(language_model|visual))`` (a negative look-ahead keeps names it already renamed).
-_PREFIX = re.compile(r"^\^([A-Za-z_][A-Za-z0-9_.]*)(\(\?!.*\))?$")
+#: ``^model(?!\.(language_model|visual))`` (transformers 5.9; a negative look-ahead keeps names it already
+#: renamed), or behind a negative look-behind instead of ``^``: ``(?<!_)model(?!\.(language_model|visual))``
+#: (transformers 5.6.0, SGLang 0.5.12's pin). A plain pattern (``LayerNorm.gamma``) is not a prefix.
+_PREFIX = re.compile(r"^(?:\^|\(\?<![^()]*\))([A-Za-z_][A-Za-z0-9_.]*)(\(\?!.*\))?$")
 _PLAIN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*$")
 
 

@@ -894,10 +894,18 @@ def test_simulated_nodes_are_raylets_with_their_own_devices():
                     import os
                     import time
                     time.sleep(2)  # both hold their GPU at once: one on each raylet
-                    return os.environ.get("CUDA_VISIBLE_DEVICES")
+                    ids = ray.get_runtime_context().get_accelerator_ids()["GPU"]
+                    return (os.environ.get("CUDA_VISIBLE_DEVICES"),
+                            os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"), ids)
 
-                # two tasks, one GPU each: one per raylet, each keeping its raylet's device
-                assert sorted(ray.get([visible.remote(), visible.remote()])) == expect
+                # two tasks, one GPU each: one per raylet, each on its raylet's device
+                got = ray.get([visible.remote(), visible.remote()])
+                assert sorted(cvd for cvd, _, _ in got) == expect
+                for cvd, noset, ids in got:
+                    # verl 0.9.1's Worker._setup_env_cuda_visible_devices: with NOSET set it calls
+                    # set_device(int(ids[0])), which must be an ordinal of the devices this process sees
+                    # (node 1's "1" in a one-GPU process was "invalid device ordinal" on the GPU run)
+                    assert not noset or int(ids[0]) < len(cvd.split(",")), (cvd, noset, ids)
             finally:
                 ray.shutdown()
     with pytest.raises(verl_compare.SetupError, match="simulate-nodes .*: 4 needed, 2 visible"):

@@ -8,7 +8,7 @@ import torch
 
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.errors import SyncValidationError
-from sgl_rollout.checkpoint_names import checkpoint_renamer, prefix_pairs
+from sgl_rollout.checkpoint_names import checkpoint_renamer, prefix_pairs, renamer_from_pairs
 from sgl_rollout.weight_sync.manifest import SyncValidator, WeightManifest
 from sgl_rollout.weight_sync.path import SyncPath
 
@@ -67,6 +67,22 @@ def test_only_prefix_renamings_are_reversed():
                           WeightRenaming(r"^model(?!\.(language_model|visual))", "model.language_model"),
                           WeightRenaming("LayerNorm.gamma", "LayerNorm.weight")])
     assert pairs == [("model.language_model", "model"), ("model.visual", "visual")]
+
+
+def test_transformers_5_6_look_behind_prefix_is_reversed():
+    """transformers 5.6.0 (SGLang 0.5.12's pin) writes Qwen2.5-VL's text renaming behind a look-behind, not
+    ``^``: on a GPU with 5.6.0 the language model's 52 weights were refused as unknown names."""
+    from transformers.conversion_mapping import WeightRenaming
+
+    pairs = prefix_pairs([WeightRenaming(r"(?<!_)model(?!\.(language_model|visual))", "model.language_model"),
+                          WeightRenaming(r"^visual", "model.visual"),
+                          WeightRenaming(r"LayerNorm.gamma", "LayerNorm.weight"),
+                          WeightRenaming(r".weight_g$", ".parametrizations.weight.original0")])
+    assert pairs == [("model.language_model", "model"), ("model.visual", "visual")]
+    rename = renamer_from_pairs(pairs)
+    assert rename("model.language_model.layers.0.self_attn.q_proj.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert rename("model.visual.blocks.0.attn.qkv.weight") == "visual.blocks.0.attn.qkv.weight"
+    assert rename("lm_head.weight") == "lm_head.weight"
 
 
 def test_sync_path_renames_once_for_every_caller(tiny_vl):

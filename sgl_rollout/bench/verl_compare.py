@@ -699,9 +699,12 @@ def simulated_nodes(nnodes: int, ngpus: int, environ: Optional[Dict[str, str]] =
     (``ray.cluster_utils.Cluster``), raylet ``i`` holding the ``i``-th group of ``ngpus`` of the GPUs this
     process may use (:func:`device_groups`: ``CUDA_VISIBLE_DEVICES`` where set, so a run given GPUs 2,3
     puts its nodes on 2 and 3, not on 0 and 1) in its ``CUDA_VISIBLE_DEVICES``, kept up until the block
-    ends; ``env`` names it for verl's driver (``RAY_ADDRESS``), and ``worker_env`` keeps Ray from
-    renumbering each node's GPUs from 0 in the workers (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``:
-    they keep their raylet's devices, as ``tests/gpu/test_multinode_gpu.py`` runs them). With one node,
+    ends; ``env`` names it for verl's driver (``RAY_ADDRESS``). ``worker_env`` is empty: Ray gives each
+    worker its raylet's device ids in ``CUDA_VISIBLE_DEVICES``, so every worker sees one device 0 of its
+    own. (With ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1`` the workers kept their raylet's ids and
+    verl 0.9.1's ``Worker._setup_env_cuda_visible_devices``, ``verl/single_controller/base/worker.py``,
+    called ``set_device(int(id))`` with node 1's id "1" in a process that sees one GPU: "invalid device
+    ordinal" on both sides, 2026-11-28.) With one node,
     two empty dicts and no cluster.
 
     Raises:
@@ -720,7 +723,7 @@ def simulated_nodes(nnodes: int, ngpus: int, environ: Optional[Dict[str, str]] =
         for devices in groups[1:]:
             cluster.add_node(num_cpus=cpus, num_gpus=ngpus, env_vars={"CUDA_VISIBLE_DEVICES": devices})
         cluster.wait_for_nodes()
-        yield {"RAY_ADDRESS": cluster.address}, {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+        yield {"RAY_ADDRESS": cluster.address}, {}
     finally:
         cluster.shutdown()
 

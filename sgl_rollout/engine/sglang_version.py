@@ -24,10 +24,17 @@ TESTED: Dict[str, str] = {
     "0.5.12": ("verl 0.9.1's pin; every touch point checked on CPU against its source; the GPU suite (one- and "
                "two-GPU tests, demo, piecewise) and bench verl on H100/H200 with transformers 5.9.0"),
 }
-#: The transformers releases each tested SGLang release ran its GPU suite with (:data:`TESTED`). SGLang
-#: 0.5.12 pins transformers 5.6.0, so ``pip install sgl-rollout`` gets that one; verl 0.9.1 excludes 5.6.0
-#: and the GPU host's overlay carries 5.9.0 (``shared/gpu-overlay``). ``doctor`` says which one is here.
-GPU_TRANSFORMERS: Dict[str, str] = {"0.5.10.post1": "5.17.0", "0.5.12": "5.9.0"}
+#: The transformers releases each tested SGLang release ran GPU tests with, and what ran (:data:`TESTED`).
+#: SGLang 0.5.12 pins transformers 5.6.0, so ``pip install sgl-rollout`` gets that one; verl 0.9.1 excludes
+#: 5.6.0 and the GPU host's overlay carries 5.9.0 (``shared/gpu-overlay``). ``doctor`` says which one is here.
+GPU_TRANSFORMERS: Dict[str, Dict[str, str]] = {
+    "0.5.10.post1": {"5.17.0": "the GPU suite"},
+    "0.5.12": {
+        "5.9.0": "the GPU suite",
+        "5.6.0": ("test_engine_gpu, test_fast_path_gpu (TP=1) and test_vlm_gpu's images and video (2026-11-28); "
+                  "its vision-tower sync refused 5.6.0's weight names then, fixed since on CPU, not rerun"),
+    },
+}
 #: The releases an engine starts under: exactly :data:`TESTED` (the same string as pyproject.toml's
 #: requirement, so pip resolves to a tested release: 0.5.11 and 0.5.12.post1 were never run).
 SUPPORTED = SpecifierSet(">=0.5.10.post1,<=0.5.12,!=0.5.11.*")
@@ -75,9 +82,9 @@ def transformers_line(sglang: Optional[str], transformers: Optional[str]) -> str
     ran = GPU_TRANSFORMERS.get(sglang or "")
     if ran is None:
         return f"{transformers} (no GPU run with sglang {sglang})"
-    if ran == transformers:
-        return f"{transformers} (the GPU suite ran with it under sglang {sglang})"
-    return (f"{transformers} (the GPU suite ran sglang {sglang} with transformers {ran}, not this one: the "
+    if transformers in ran:
+        return f"{transformers} (ran with sglang {sglang} on a GPU: {ran[transformers]})"
+    return (f"{transformers} (sglang {sglang} ran on a GPU with transformers {', '.join(ran)}, not this one: the "
             "vision-language patches have not run on a GPU with it)")
 
 
