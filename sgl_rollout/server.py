@@ -31,6 +31,8 @@ from typing import Any, Dict, List, Optional, Sequence
 from . import trace
 from .config import FAST_SYNC_LOADER, RolloutConfig
 from .engine import Generation
+from .switch import sleep_stages
+from .weight_sync.driver import EngineFence
 
 #: Variables the engine actor reads back in :meth:`RolloutServer.env` (tests, ``doctor``).
 WATCHED_ENV = (
@@ -313,7 +315,7 @@ class RolloutServer:
     async def sleep(self) -> List[str]:
         """Release per ``sleep_level`` (nothing when ``free_cache_engine`` is False;
         :meth:`Switch.sleep <sgl_rollout.switch.Switch.sleep>`)."""
-        if not self.config.free_cache_engine:  # nothing to release (the switch's rule), started or not
+        if not sleep_stages(self.config):  # nothing to release (the switch's rule), started or not
             return []
         tags = await self._switch.async_sleep()
         if tags and self.layout is not None:  # a replica over nodes: every node's GPUs (one node: no NVML cost here)
@@ -364,7 +366,7 @@ class RolloutServer:
         Raises:
             MemoryStateError: weights released, requests running, or another operation in progress.
         """
-        await self._engine.async_begin_sync()
+        await EngineFence(self._engine).async_open()
 
     @trace.traced("server.finish_weight_sync")
     async def finish_weight_sync(self, ok: bool = True, global_steps: Optional[int] = None) -> None:
@@ -382,7 +384,7 @@ class RolloutServer:
             if ok:
                 await self._engine.async_flush_cache()
         finally:
-            self._engine.end_sync(ok)
+            EngineFence(self._engine).close(ok)
         if ok and global_steps is not None:
             await self.set_global_steps(global_steps)
 
@@ -596,7 +598,9 @@ def launch_replica(config: RolloutConfig, layout, node_ids: Sequence[str], name:
 def sync_weights_from_workers(server, workers: Sequence, prepare: str = "next_weight_payload",
                               release: str = "release_weight_payload") -> int:
     """Drive a bucketed weight sync where TP rank ``r``'s payload comes from ``workers[r]``: the bucket
-    rounds of :func:`sgl_rollout.weight_sync.protocol.bucket_rounds` over Ray.
+    rounds of :func:`sgl_rollout.weight_sync.protocol.bucket_rounds` over Ray, inside the driver's fence
+    (:func:`sgl_rollout.weight_sync.driver.sync_fenced` with the actor's ``begin_weight_sync`` /
+    ``finish_weight_sync``).
 
     Each worker actor must offer ``prepare()`` returning the next bucket's serialized payload (bytes)
     or None when done, keeping that bucket's GPU buffer alive, and ``release()`` dropping it (see
@@ -613,6 +617,7 @@ def sync_weights_from_workers(server, workers: Sequence, prepare: str = "next_we
     """
     import ray
 
+    from .weight_sync.driver import ServerFence, sync_fenced
     from .weight_sync.protocol import bucket_rounds
 
     def release_all(_bucket=None) -> None:
@@ -627,10 +632,11 @@ def sync_weights_from_workers(server, workers: Sequence, prepare: str = "next_we
             release_all()
             raise
 
-    return bucket_rounds(
-        begin=lambda: ray.get(server.begin_weight_sync.remote()),
-        next_round=next_round,
-        load=lambda payloads, _bucket: ray.get(server.update_weights_from_payloads.remote(payloads)),
-        finish=lambda ok: ray.get(server.finish_weight_sync.remote(ok)),
-        release=release_all,
-    )
+    def rounds() -> int:
+        return bucket_rounds(
+            next_round=next_round,
+            load=lambda payloads, _bucket: ray.get(server.update_weights_from_payloads.remote(payloads)),
+            release=release_all,
+        )
+
+    return sync_fenced(ServerFence(server), rounds)

@@ -99,6 +99,17 @@ def sleep_releases(stage: str, free_cache_engine: bool, sleep_level: int) -> boo
     return bool(sleep_tags(stage_tags(stage), sleep_level)) and bool(free_cache_engine)
 
 
+def sleep_stages(config) -> List[str]:
+    """The stages a sleep releases under ``config`` (its ``free_cache_engine`` and ``sleep_level``), in wake
+    order: ``[]`` without ``free_cache_engine``, ``["kv_cache"]`` at level 1, ``["weights", "kv_cache"]``
+    at level 2 (:func:`sleep_releases`). Every caller that decides whether to sleep or wake asks this.
+
+    Raises:
+        ValueError: a level other than 1 or 2.
+    """
+    return [s for s in WAKE_ORDER if sleep_releases(s, config.free_cache_engine, config.sleep_level)]
+
+
 class Switch:
     """The memory states of one replica's engine, moved in stages and timed.
 
@@ -161,9 +172,9 @@ class Switch:
             whatever ``before_release`` raises; nothing was released.
         """
         self.last_phase_seconds = {}
-        yield self._engine_step("settle")
-        if not self.config.free_cache_engine:
+        if not sleep_stages(self.config):
             return []
+        yield self._engine_step("settle")
         t0 = time.perf_counter()
         tags = sleep_tags(self.engine.tags, self.config.sleep_level)
         if before_release is not None:

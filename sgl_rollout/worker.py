@@ -22,8 +22,9 @@ from .memory import WEIGHTS, MemoryTimeline, freeze_long_lived
 from .switch import Hook, Switch
 from .weight_sync import SyncStats, send_flattened_buckets
 from .weight_sync.bucket import NamedTensor
-from .weight_sync.layered import layer_index
+from .weight_sync.driver import EngineFence, sync_fenced
 from .weight_sync.fast_path import FastPathError, FastPathSender
+from .weight_sync.layered import layer_index
 from .weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 from .weight_sync.path import SyncPath
 
@@ -151,8 +152,7 @@ class RolloutWorker:
         2 ms for a 2 GiB buffer on an H100), then the sender drops them. True when it freed them."""
         if self._fast is None or not self._fast.holds_buffers:
             return False
-        with self.engine.weight_sync():
-            self._fast.release()
+        sync_fenced(EngineFence(self.engine), self._fast.release)
         return True
 
     def wake_up(self) -> List[str]:
@@ -258,13 +258,15 @@ class RolloutWorker:
         fast path (its timings land in ``last_phase_seconds`` as ``sync.*``) or SGLang's flattened one."""
         fast = self._fast_sender()
         group_of = layer_index if self.config.layered_summon else None
-        with self.engine.weight_sync():
+
+        def body() -> SyncStats:
             if fast is not None:
-                stats = fast.send(items, validator=validator, partial=partial, group_of=group_of)
-            else:
-                stats = send_flattened_buckets(self.engine, items, bucket_bytes=self.config.bucket_bytes,
-                                               tp_size=self.config.tensor_model_parallel_size,
-                                               validator=validator, group_of=group_of)
+                return fast.send(items, validator=validator, partial=partial, group_of=group_of)
+            return send_flattened_buckets(self.engine, items, bucket_bytes=self.config.bucket_bytes,
+                                          tp_size=self.config.tensor_model_parallel_size,
+                                          validator=validator, group_of=group_of)
+
+        stats = sync_fenced(EngineFence(self.engine), body)
         if fast is not None:  # sync.gather / sync.call / sync.check: where the fast path's time went
             self.last_phase_seconds.update({f"sync.{k}": v for k, v in fast.timings.items()})
         return stats

@@ -323,7 +323,7 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
     from sgl_rollout.weight_sync import fast_path as sender_mod
 
     monkeypatch.setattr(verl_probe, "TARGETS", [])  # verl's, SGLang's and torch's targets: other tests
-    package_fns = lambda: [RolloutServer.resume_stage, SglRolloutAdapter.resume, sender_mod._gather,  # noqa: E731
+    package_fns = lambda: [RolloutServer.resume_stage, SglRolloutAdapter.resume, sender_mod.gather_bucket,  # noqa: E731
                            sender_mod.FastPathSender._call]
     before = package_fns()
     assert verl_probe.install()
@@ -350,7 +350,8 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
     assert asyncio.run(RolloutServer.resume_stage(server, "kv_cache")) == ["kv_cache", "cuda_graph"]
     with pytest.raises(ValueError, match="unknown stage"):
         asyncio.run(RolloutServer.resume_stage(server, "optimizer"))
-    adapter = types.SimpleNamespace(rollout_config=types.SimpleNamespace(free_cache_engine=False), is_leader_rank=True)
+    adapter = types.SimpleNamespace(rollout_config=types.SimpleNamespace(free_cache_engine=False, sleep_level=2),
+                                    is_leader_rank=True)
     asyncio.run(SglRolloutAdapter.resume(adapter, tags=["weights"]))
 
     got = spans_in(probe_dir)

@@ -334,7 +334,7 @@ def test_update_breakdown_is_the_lead_ranks_view_and_one_servers_time():
 
 def test_on_the_fast_path_the_buffer_writes_are_not_charged_the_generator():
     """The fast path reads verl's generator first and writes the bucket into its buffer after
-    (``_gather``, a ``rollout.bucket`` span that starts after the first read): its bucketing is its
+    (``gather_bucket``, a ``rollout.bucket`` span that starts after the first read): its bucketing is its
     own time, and the generator's time is not inside it (recorded at TP=2 on two H200: 75 ms of
     generator, 2 ms of writes, calls of 36 and 10 ms, in a 131.5 ms sync)."""
     def span(name, t0, dt, **kw):

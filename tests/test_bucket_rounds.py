@@ -1,11 +1,14 @@
-"""One weight-sync protocol (sgl_rollout.weight_sync.protocol): begin -> bucket rounds -> finish, and the
-rule that every TP rank runs out of buckets in the same round; the Ray driver follows it."""
+"""The bucket rounds (sgl_rollout.weight_sync.protocol) inside the driver's fence
+(sgl_rollout.weight_sync.driver): begin -> bucket rounds -> finish, and the rule that every TP rank runs out
+of buckets in the same round; the Ray driver follows it."""
 
 import asyncio
 import types
 
 import pytest
 
+from sgl_rollout.twin import Step
+from sgl_rollout.weight_sync.driver import async_sync_fenced, sync_fenced
 from sgl_rollout.weight_sync.protocol import RoundError, async_bucket_rounds, bucket_rounds, check_round
 
 
@@ -14,8 +17,6 @@ def test_check_round():
     assert check_round([b"a", b"b"], 3) is False
     with pytest.raises(RoundError, match=r"different times \(bucket 2: done=\[False, True\]\)"):
         check_round([b"a", None], 2)
-    with pytest.raises(RoundError, match="bucket 1 failed: TP rank 1: boom"):
-        check_round([b"a", b"b"], 1, ["TP rank 1: boom"])
 
 
 def _rig(per_rank, fail_load_at=None):
@@ -31,13 +32,14 @@ def _rig(per_rank, fail_load_at=None):
             raise RuntimeError("SGLang refused")
         log.append(("load", n, tuple(payloads)))
 
-    return log, dict(begin=lambda: log.append("begin"), next_round=next_round, load=load,
-                     finish=lambda ok: log.append(("finish", ok)), release=lambda n: log.append(("release", n)))
+    fence = types.SimpleNamespace(begin=lambda: Step.call(log.append, "begin"),
+                                  finish=lambda ok: Step.call(log.append, ("finish", ok)))
+    return log, fence, dict(next_round=next_round, load=load, release=lambda n: log.append(("release", n)))
 
 
 def test_rounds_run_in_order_and_release_after_each_load():
-    log, kw = _rig([[b"a0", b"a1"], [b"b0", b"b1"]])
-    assert bucket_rounds(**kw) == 2
+    log, fence, kw = _rig([[b"a0", b"a1"], [b"b0", b"b1"]])
+    assert sync_fenced(fence, lambda: bucket_rounds(**kw)) == 2
     assert log == ["begin", ("round", 0), ("load", 0, (b"a0", b"b0")), ("release", 0),
                    ("round", 1), ("load", 1, (b"a1", b"b1")), ("release", 1),
                    ("round", 2), ("release", 2), ("finish", True)]
@@ -45,15 +47,32 @@ def test_rounds_run_in_order_and_release_after_each_load():
 
 @pytest.mark.parametrize("face", ["sync", "async"])
 def test_disagreeing_ranks_or_a_failed_load_end_the_sync_as_failed(face):
-    run = bucket_rounds if face == "sync" else (lambda **kw: asyncio.run(async_bucket_rounds(**kw)))
-    log, kw = _rig([[b"a0", b"a1"], [b"b0"]])
+    def run(fence, kw):
+        if face == "sync":
+            return sync_fenced(fence, lambda: bucket_rounds(**kw))
+        return asyncio.run(async_sync_fenced(fence, lambda: async_bucket_rounds(**kw)))
+
+    log, fence, kw = _rig([[b"a0", b"a1"], [b"b0"]])
     with pytest.raises(RoundError, match="different times"):
-        run(**kw)
+        run(fence, kw)
     assert log[-2:] == [("release", 1), ("finish", False)]
-    log, kw = _rig([[b"a0"]], fail_load_at=0)
+    log, fence, kw = _rig([[b"a0"]], fail_load_at=0)
     with pytest.raises(RuntimeError, match="SGLang refused"):
-        run(**kw)
+        run(fence, kw)
     assert log[-2:] == [("release", 0), ("finish", False)]
+
+
+def test_a_refused_fence_runs_no_round_and_never_finishes():
+    log, _, kw = _rig([[b"a0"]])
+
+    def refuse():
+        raise RuntimeError("weights released")
+
+    fence = types.SimpleNamespace(begin=lambda: Step.call(refuse), finish=lambda ok: Step.call(log.append, ok))
+    ended = []
+    with pytest.raises(RuntimeError, match="weights released"):
+        sync_fenced(fence, lambda: bucket_rounds(**kw), on_end=ended.append)
+    assert log == [] and ended == [False]  # on_end always runs; the fence that never rose is not lowered
 
 
 def test_the_ray_driver_follows_the_protocol(monkeypatch):
@@ -66,7 +85,7 @@ def test_the_ray_driver_follows_the_protocol(monkeypatch):
     log = []
 
     def remote(fn):
-        return types.SimpleNamespace(remote=lambda *a: (lambda: fn(*a)))
+        return types.SimpleNamespace(remote=lambda *a, **kw: (lambda: fn(*a, **kw)))
 
     def worker(payloads):
         it = iter(payloads)
@@ -75,7 +94,7 @@ def test_the_ray_driver_follows_the_protocol(monkeypatch):
 
     server = types.SimpleNamespace(begin_weight_sync=remote(lambda: log.append("begin")),
                                    update_weights_from_payloads=remote(lambda p: log.append(("load", tuple(p)))),
-                                   finish_weight_sync=remote(lambda ok: log.append(("finish", ok))))
+                                   finish_weight_sync=remote(lambda ok, global_steps=None: log.append(("finish", ok))))
     assert sync_weights_from_workers(server, [worker([b"a"]), worker([b"b"])]) == 1
     assert log == ["begin", ("load", (b"a", b"b")), "release", "release", "release", "release", ("finish", True)]
     log.clear()

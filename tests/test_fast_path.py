@@ -200,7 +200,7 @@ def test_fast_path_equals_load_weights_bit_for_bit(tp_size, tie, bias, qk_norm, 
     if bucket_bytes == 3000:
         assert stats.n_buckets > 5 and stats.max_bucket_bytes <= 3000
     # the plan's pieces of each bucket are merged into fewer copies on the receiving side
-    assert sum(len(b) for b in sender._layouts[0]) >= stats.n_buckets
+    assert sum(len(b) for b in sender.plan.layouts[0]) >= stats.n_buckets
 
 
 def test_non_contiguous_trainer_tensors_are_sent_as_their_values():
@@ -513,7 +513,7 @@ def test_one_sender_per_tp_rank_loads_what_one_sender_for_all_does(bucket_bytes)
         assert_same_params(models, reference(2, w, **kw))
     # both ran the same buckets, from every rank's layout; each wrote only its own rank's buffer
     assert out[0].n_buckets == out[1].n_buckets and all(s.covered for s in senders)
-    assert senders[0]._layouts == senders[1]._layouts and len(senders[0]._buffers) == 1
+    assert senders[0].plan.layouts == senders[1].plan.layouts and len(senders[0]._buffers) == 1
     if bucket_bytes == 3000:
         assert out[0].n_buckets > 5
 

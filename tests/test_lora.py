@@ -17,6 +17,7 @@ from sgl_rollout.memory import MemoryStateError
 from sgl_rollout.weight_sync import lora
 from sgl_rollout.weight_sync.manifest import SyncValidationError, WeightManifest
 from sgl_rollout.worker import RolloutWorker
+from sgl_rollout.weight_sync.driver import fenced
 
 peft = pytest.importorskip("peft")  # installed with verl (its Requires-Dist), pinned in requirements/cpu-test.txt
 
@@ -276,7 +277,7 @@ def test_engine_loads_replaces_and_serves_an_adapter(model):
     engine, fake = lora_engine(model)
     try:
         payload = lora.build_adapter_payload(sd, cfg, manifest=manifest, engine_config=engine.config)
-        with engine.weight_sync():
+        with fenced(engine):
             first = engine.load_lora_adapter_from_tensors("policy", payload)
         assert first.version == 1 and list(fake.lora) == [first.sglang_name]
         assert all(torch.equal(fake.lora[first.sglang_name]["tensors"][k], sd[k]) for k in sd)
@@ -284,7 +285,7 @@ def test_engine_loads_replaces_and_serves_an_adapter(model):
         assert fake.last_lora_path == [first.sglang_name]
         engine.generate([[1, 2]], {"max_new_tokens": 2})
         assert fake.last_lora_path is None  # the base alone
-        with engine.weight_sync():  # a new version: loaded next to the old one, then the old one goes
+        with fenced(engine):  # a new version: loaded next to the old one, then the old one goes
             second = engine.load_lora_adapter_from_tensors("policy", payload)
         assert second.version == 2 and list(fake.lora) == [second.sglang_name]
         assert [c[0] for c in fake.calls[-2:]] == ["load_lora", "unload_lora"]
@@ -292,11 +293,11 @@ def test_engine_loads_replaces_and_serves_an_adapter(model):
         engine.generate([[1]], {"max_new_tokens": 1}, lora_path="policy", n=2)
         assert fake.last_lora_path == [second.sglang_name] * 2
         # a payload built from named tensors (rank and targets checked against the engine's settings)
-        with engine.weight_sync():
+        with fenced(engine):
             third = engine.load_lora_adapter_from_tensors(
                 "other", lora.build_adapter_payload(list(sd.items()), cfg, engine_config=engine.config))
         assert third.version == 1 and set(engine.lora_adapters) == {"policy", "other"}
-        with engine.weight_sync():
+        with fenced(engine):
             engine.unload_lora_adapter("other")
         assert set(engine.lora_adapters) == {"policy"} and len(fake.lora) == 1
         with pytest.raises(ValueError, match="no LoRA adapter 'other'"):
@@ -319,7 +320,7 @@ def test_adapter_refused_asleep_in_flight_or_malformed_never_reaches_the_engine(
         with pytest.raises(MemoryStateError, match="weights are released"):
             engine.begin_sync()
         engine.resume(["weights"])
-        with engine.weight_sync():  # the staged wake: the KV cache is still released, that is fine
+        with fenced(engine):  # the staged wake: the KV cache is still released, that is fine
             engine.load_lora_adapter_from_tensors("policy", payload)
         engine.resume(["kv_cache"])
         loads = len(calls(fake, "load_lora"))
@@ -333,7 +334,7 @@ def test_adapter_refused_asleep_in_flight_or_malformed_never_reaches_the_engine(
         t.join(5)
         bad = dict(sd)
         bad["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = torch.zeros(4, 31)
-        with engine.weight_sync():
+        with fenced(engine):
             with pytest.raises(SyncValidationError, match="q_proj.lora_A"):  # manifest: the base's shapes
                 engine.load_lora_adapter_from_tensors("policy", lora.build_adapter_payload(bad, cfg, manifest=manifest))
             with pytest.raises(SyncValidationError, match="rank 8"):  # no manifest: rank still checked
@@ -351,7 +352,7 @@ def test_adapter_refused_asleep_in_flight_or_malformed_never_reaches_the_engine(
         # SGLang's own refusal: the previous version keeps serving
         before = engine.lora_adapters["policy"]
         fake.fail_next_lora = True
-        with engine.weight_sync():
+        with fenced(engine):
             with pytest.raises(RuntimeError, match="injected"):
                 engine.load_lora_adapter_from_tensors("policy", payload)
         assert engine.lora_adapters["policy"] == before
@@ -362,7 +363,7 @@ def test_adapter_refused_asleep_in_flight_or_malformed_never_reaches_the_engine(
 
     plain = RolloutEngine(RolloutConfig(model_path="/fake"), engine_factory=FakeSGLangEngine, watch_interval_s=0.05)
     try:
-        with plain.weight_sync():
+        with fenced(plain):
             with pytest.raises(ValueError, match="without LoRA"):
                 plain.load_lora_adapter_from_tensors("policy", payload)
         assert not calls(plain._engine, "load_lora")
@@ -412,7 +413,7 @@ def test_engine_records_what_the_rule_needs_and_restart_forgets_adapters(model):
         assert engine.weights_released_since_sync and lora.engine_needs_base_sync(engine)
         worker.update_weights(base)
         assert not engine.weights_released_since_sync and not lora.engine_needs_base_sync(engine)
-        with engine.weight_sync():
+        with fenced(engine):
             engine.load_lora_adapter_from_tensors("policy", lora.build_adapter_payload(sd, cfg))
         gen = engine.generation
         worker.restart()

@@ -91,7 +91,7 @@ def test_each_rollout_rank_gets_only_its_shard_and_the_engine_equals_load_weight
         assert_same_params(rig.models, reference(2, w, **KW))
     # trainer j sent exactly the bytes of its rollout ranks' plans, and each rank's plan is its shard:
     # about half the model at TP=2 (norms are whole on both), not the whole model to every rank
-    per_rank = [sum(sizes) for sizes in rig.senders[0]._program.sizes]
+    per_rank = [sum(sizes) for sizes in rig.senders[0].plan.program.sizes]
     per_trainer = [sum(per_rank[k] for k in range(2) if k % n_trainers == j) for j in range(n_trainers)]
     assert [o.bytes for o in out[:n_trainers]] == per_trainer
     model = sum(t.numel() * t.element_size() for _, t in w)

@@ -205,7 +205,7 @@ def test_the_package_emits_its_spans_where_the_probe_expects_them():
     from sgl_rollout.weight_sync import fast_path, flattened_bucket
 
     marked = {
-        flattened_bucket.BucketStream.next_payload: "rollout.bucket", fast_path._gather: "rollout.bucket",
+        flattened_bucket.BucketStream.next_payload: "rollout.bucket", fast_path.gather_bucket: "rollout.bucket",
         fast_path.FastPathSender._call: "rollout.call", RolloutServer.sleep: "server.sleep",
         RolloutServer.resume_stage: "server.resume", RolloutServer.begin_weight_sync: "server.begin_weight_sync",
         RolloutServer.update_weights_from_payloads: "server.update_weights_from_payloads",

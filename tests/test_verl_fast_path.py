@@ -16,7 +16,8 @@ import torch
 import sgl_rollout.integrations.verl_adapter as verl_adapter
 from fakes import ThreadGroup
 from sgl_rollout.config import FAST_SYNC_LOADER
-from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter, _FastPathRound, _PeerLeft
+from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+from sgl_rollout.weight_sync.driver import GroupLoader, PeerLeft
 from sgl_rollout.weight_sync.manifest import SyncValidationError
 from sgl_rollout.weight_sync.path import SyncPath
 from sgl_rollout.weight_sync.fast_path import FastPathError, FastPathSender
@@ -83,9 +84,10 @@ def rank_adapters(server, group, tp_size, manifest, bucket_bytes):
         a._sync_path.manifest = manifest
         a._all_gather = (lambda rank: lambda item: group.all_gather(rank, item))(r)
         a._broadcast = (lambda rank: lambda item: group.all_gather(rank, item)[0])(r)
-        rnd = _FastPathRound(a)
-        a._fast = FastPathSender(rnd, manifest, bucket_bytes, devices=["cpu"], tp_size=tp_size, tp_ranks=[r],
-                                 share=rnd.share if tp_size > 1 else None)
+        group_r = a._sync_group()
+        loader = GroupLoader(group_r, server if r == 0 else None, config)
+        a._fast = FastPathSender(loader, manifest, bucket_bytes, devices=["cpu"], tp_size=tp_size, tp_ranks=[r],
+                                 share=group_r.round if tp_size > 1 else None)
         out.append(a)
     return out
 
@@ -155,7 +157,7 @@ def test_a_generator_failing_on_one_rank_ends_the_sync_on_both_without_a_hang():
 
     out = sync(group, adapters, [iter(w), failing()])
     assert isinstance(out[1], RuntimeError) and str(out[1]) == "boom on rank 1"
-    assert isinstance(out[0], _PeerLeft) and "TP rank 1" in str(out[0]) and "boom on rank 1" in str(out[0])
+    assert isinstance(out[0], PeerLeft) and "TP rank 1" in str(out[0]) and "boom on rank 1" in str(out[0])
     assert server.finished() == [False]
     assert sync(group, adapters, [iter(w) for _ in range(2)]) == [None, None]  # the same group goes on: no round left over
     assert_same_params(models, reference(2, w))
@@ -174,7 +176,7 @@ def test_a_refused_begin_fails_every_rank_and_sends_nothing():
     models, server, group, adapters = make(refuse={"begin_weight_sync"})
     out = sync(group, adapters, [iter(hf_weights(seed=9)) for _ in range(2)])
     assert isinstance(out[0], RuntimeError) and "refused" in str(out[0])
-    assert isinstance(out[1], _PeerLeft) and "begin_weight_sync refused" in str(out[1])
+    assert isinstance(out[1], PeerLeft) and "begin_weight_sync refused" in str(out[1])
     assert server.engine.loader_calls == 0 and server.finished() == []
 
 

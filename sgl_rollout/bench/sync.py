@@ -39,6 +39,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..weight_sync.driver import fenced
 from .models import LLAMA_1B, LORA_TARGETS, SMOLLM2_135M, gpu_engine_flags, llama_named_tensors, lora_named_tensors, make_llama_dir
 
 #: A bucket (MiB) that holds the whole bench model: the fast path's one-call sync.
@@ -131,7 +132,7 @@ def _per_tensor_sync(engine, named) -> Callable[[], None]:
     from ..weight_sync import serialize
 
     def per_tensor():
-        with engine.weight_sync():
+        with fenced(engine):
             for group in _groups(named, 2 << 30):
                 ok, msg = engine.update_weights_from_tensor([serialize(group)], load_format=None)
                 assert ok, msg
@@ -145,7 +146,7 @@ def _flat_sync(engine, named, mb: int) -> Callable[[], None]:
     from ..weight_sync import send_flattened_buckets
 
     def run():
-        with engine.weight_sync():
+        with fenced(engine):
             send_flattened_buckets(engine, named, bucket_bytes=mb << 20)
     return run
 
@@ -163,14 +164,14 @@ def _flatten_only(named) -> Callable[[], None]:
 def _fast_sync(engine, sender, named) -> Callable[[], None]:
     """A fast-path sync of ``named`` through ``sender``."""
     def run():
-        with engine.weight_sync():
+        with fenced(engine):
             sender.send(named)
     return run
 
 
 def _release_sender(engine, sender) -> None:
     """Release ``sender``'s buffer (the engine closes its handle); the next sync allocates it again."""
-    with engine.weight_sync():
+    with fenced(engine):
         sender.release()
 
 
@@ -211,7 +212,7 @@ def _time_methods(engine, named, nbytes: int, default_mb: int, senders: Dict, re
         if name in senders:
             snd = senders[name]
             results[name]["last_parts_s"] = dict(snd.timings)
-            results[name]["buckets"] = len(snd._layouts[0]) if snd.covered else None
+            results[name]["buckets"] = len(snd.plan.layouts[0]) if snd.covered else None
             results[name]["covered"] = snd.covered
     return results  # the copy baselines' buffers go with this frame, before the peaks are measured
 
@@ -332,7 +333,7 @@ def bench_lora(args) -> Dict:
             sync = AdapterSync(engine, manifest=WeightManifest.from_named_tensors(named))
 
             def full():
-                with engine.weight_sync():
+                with fenced(engine):
                     send_flattened_buckets(engine, named, bucket_bytes=cfg.bucket_bytes)
 
             full()
@@ -373,7 +374,7 @@ def print_lora_table(res: Dict) -> None:
 
 
 def _ping(engine, sender) -> None:
-    with engine.weight_sync():
+    with fenced(engine):
         sender.ping()
 
 

@@ -166,7 +166,7 @@ def _bucketing_reads_generator(inner: List[dict]) -> bool:
 
     verl's bucketer and this package's flattened path (``BucketStream.next_payload``) read the generator
     inside their bucketing, so their first bucketing span starts no later than the generator's first
-    read; the fast path writes a bucket into its buffer (``_gather``) only after reading the tensors it
+    read; the fast path writes a bucket into its buffer (``gather_bucket``) only after reading the tensors it
     needs, so its first such span starts after it.
     """
     buckets = [s["t0"] for s in inner if s["name"] == "rollout.bucket"]

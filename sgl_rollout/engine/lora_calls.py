@@ -143,7 +143,7 @@ class LoraCalls:
     def _load_lora_adapter_from_tensors(self, name: str, payload, config_dict: Optional[Dict[str, Any]] = None,
                                         load_format: Optional[str] = "flattened_bucket"):
         """Load a LoRA adapter into SGLang (``load_lora_adapter_from_tensors``), replacing the version
-        loaded under ``name``; inside ``begin_sync`` / ``end_sync`` (``weight_sync()``).
+        loaded under ``name``; inside a sync fence (:mod:`sgl_rollout.weight_sync.driver`).
 
         Replacement: SGLang 0.5.10 refuses a second adapter under a loaded name, so the new version is
         loaded under its own SGLang name, ``name`` then points to it, and the previous version is

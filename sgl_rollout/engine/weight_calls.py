@@ -3,14 +3,14 @@
 From :meth:`WeightCalls.begin_sync` until :meth:`WeightCalls.end_sync` no generate is admitted, so none
 sees half-new weights; a bucket a caller stopped waiting for keeps the fence up until SGLang has answered
 it (its buffer must outlive SGLang's read). Which path carries the buckets (SGLang's flattened buckets, or
-the copy-plan fast path) is :mod:`sgl_rollout.weight_sync`'s.
+the copy-plan fast path) is :mod:`sgl_rollout.weight_sync`'s, and only its driver
+(:mod:`sgl_rollout.weight_sync.driver`) raises and lowers the fence.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Iterator, Optional
+from typing import Optional
 
 from ..memory import WEIGHTS, MemoryStateError
 from ..twin import twin
@@ -44,17 +44,6 @@ class WeightCalls:
         self._sync_bytes_sent = False
 
     begin_sync, async_begin_sync = twin(_begin_sync, before_sync=EngineCore._check_not_on_loop)
-
-    @contextlib.contextmanager
-    def weight_sync(self) -> Iterator[None]:
-        """:meth:`begin_sync` on entry, :meth:`end_sync` on exit (complete unless the block raised)."""
-        self.begin_sync()
-        complete = False
-        try:
-            yield
-            complete = True
-        finally:
-            self.end_sync(complete)
 
     def end_sync(self, complete: bool) -> None:
         """End the fence of :meth:`begin_sync` once the last bucket was answered.

@@ -43,7 +43,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 
 from .. import trace
-from ..switch import stages_of
+from ..switch import sleep_stages, stages_of
 from ..weight_sync import lora as lora_sync
 from ..weight_sync.fast_path import FastPathSender
 from ..weight_sync.path import SyncPath
@@ -59,13 +59,12 @@ from .verl_config import (
 )
 from .verl_checkpoint_engine import WIRE_FORMAT as P2P_WIRE_FORMAT
 from .verl_server import server_name
-from .verl_weight_sync import _ERR, VerlWeightSync, _aclose, _FastPathRound, _is_error, _PeerLeft  # noqa: F401
+from .verl_weight_sync import VerlWeightSync, _aclose
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SglRolloutAdapter"]
 
-_DONE = "done"
 
 
 async def _renamed_async(weights, rename):
@@ -222,15 +221,17 @@ class SglRolloutAdapter(VerlWeightSync, BaseRollout):
         before it resumes the KV cache, so a collection here would only add its cost (a full
         ``gc.collect()`` over the trainer process's objects).
         """
-        if not self.rollout_config.free_cache_engine or not self.is_leader_rank:
+        if not self.is_leader_rank:
             return
-        for stage in stages_of(tags):  # sgl_rollout.switch: which stages these tags are, in wake order
-            await self.server.resume_stage.remote(stage)
+        released = sleep_stages(self.rollout_config)  # the switch's rule: what a sleep released
+        for stage in stages_of(tags):  # which stages these tags are, in wake order
+            if stage in released:
+                await self.server.resume_stage.remote(stage)
 
     @trace.traced("rollout.release")
     async def release(self):
         """Release per ``sleep_level`` (weights and KV cache at level 2)."""
-        if self.rollout_config.free_cache_engine and self.is_leader_rank:
+        if self.is_leader_rank and sleep_stages(self.rollout_config):
             await self.server.sleep.remote()
 
     # -------------------------------------------------------------- weight sync
@@ -323,53 +324,38 @@ class SglRolloutAdapter(VerlWeightSync, BaseRollout):
             await self._send_buckets(self._named_tensors(weights), global_steps)
 
     async def _base_needed(self) -> bool:
-        """The engine actor's answer to the base-resend rule, the same on every TP rank."""
-        need, exc = None, None
+        """The engine actor's answer to the base-resend rule, the same on every TP rank (the leader asks;
+        its failure raises on every rank, :meth:`TPGroup.agree <sgl_rollout.weight_sync.driver.TPGroup.agree>`)."""
+        need, error = None, None
         if self.is_leader_rank:
             try:
                 need = bool(await self.server.base_sync_needed.remote())
-            except Exception as e:  # noqa: BLE001 - the other ranks must hear of it
-                exc, need = e, f"{_ERR}: the engine could not tell whether it holds its base weights: {e}"
-        need = self._broadcast(need)
-        if isinstance(need, str):
-            if exc is not None:
-                raise exc
-            raise RuntimeError(need[len(_ERR) + 2:])
-        return need
+            except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
+                error = exc
+        return self._sync_group().agree(need, error)[0]
 
     async def _update_adapter(self, weights, peft_config, global_steps: Optional[int]) -> None:
         """Every rank reads verl's adapter tensors; the leader checks them (against the model's manifest and
         the engine's LoRA settings) and hands the engine actor one by-value payload; a failure on any rank
-        or in the engine raises on every rank."""
-        leader = self.is_leader_rank
-        status, local_exc, payload = None, None, None
+        or in the engine raises on every rank (:meth:`TPGroup.agree
+        <sgl_rollout.weight_sync.driver.TPGroup.agree>`)."""
+        leader, group = self.is_leader_rank, self._sync_group()
+        error, payload = None, None
         try:
             items = await _collect(weights)
             if leader:
                 payload = lora_sync.build_adapter_payload(items, peft_config, manifest=self._sync_manifest(),
                                                           engine_config=self.rollout_config)
             del items
-        except Exception as exc:  # noqa: BLE001 - reported to every TP rank, re-raised below
-            local_exc, status = exc, (_ERR, f"{type(exc).__name__}: {exc}")
-        statuses = self._gather(status)
-        engine_exc = None
+        except Exception as exc:  # noqa: BLE001 - reported to every TP rank, re-raised by agree
+            error = exc
+        group.agree(None, error)
         if leader:
-            errors = [f"TP rank {r}: {p[1]}" for r, p in enumerate(statuses) if _is_error(p)]
-            if errors:
-                status = f"{_ERR}: the adapter sync failed on " + "; ".join(errors)
-            else:
-                try:
-                    await self.server.load_lora_adapter.remote(VERL_ADAPTER_NAME, payload.data, payload.config)
-                    status = _DONE
-                except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
-                    engine_exc, status = exc, f"{_ERR}: the engine refused the adapter: {exc}"
-        status = self._broadcast(status)
-        if status != _DONE:
-            if local_exc is not None:
-                raise local_exc
-            if engine_exc is not None:
-                raise engine_exc
-            raise RuntimeError(status[len(_ERR) + 2:])
+            try:
+                await self.server.load_lora_adapter.remote(VERL_ADAPTER_NAME, payload.data, payload.config)
+            except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
+                error = exc
+        group.agree(None, error)
         self.adapter_syncs += 1
         if leader and global_steps is not None:
             await self.server.set_global_steps.remote(global_steps)

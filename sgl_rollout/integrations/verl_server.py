@@ -53,7 +53,9 @@ from .. import trace
 from ..config import RolloutConfig
 from ..memory import KV_CACHE
 from ..server import NodeEngineHost, RolloutServer, launch_replica, launch_rollout_server, merge_visible_devices
+from ..switch import sleep_stages
 from ..weight_sync import lora as lora_sync
+from ..weight_sync.driver import EngineFence, async_sync_fenced
 from .verl_config import (
     ROLLOUT_PREFIX,
     VERL_ADAPTER_NAME,
@@ -475,13 +477,8 @@ class VerlRolloutServer(RolloutServer):
                 f"the engine lacks its base weights (load_format={self.config.load_format!r}, synced="
                 f"{engine.weights_synced}, weights released since={engine.weights_released_since_sync}, engine "
                 f"start {engine.generation}): the base must be synced before adapter {name!r}; nothing was sent")
-        await engine.async_begin_sync()
-        ok = False
-        try:
-            record = await engine.async_load_lora_adapter_from_tensors(name, payload, config_dict)
-            ok = True
-        finally:
-            engine.end_sync(ok)
+        record = await async_sync_fenced(
+            EngineFence(engine), lambda: engine.async_load_lora_adapter_from_tensors(name, payload, config_dict))
         await engine.async_flush_cache()
         return {"name": record.name, "version": record.version, "nbytes": record.nbytes}
 
@@ -556,7 +553,7 @@ class VerlRolloutServer(RolloutServer):
     async def release_kv_cache(self) -> List[str]:
         """Release the KV cache (and CUDA-graph memory) if resident, keeping the weights; nothing when
         ``free_cache_engine`` is False (verl's server does the same)."""
-        if not self.config.free_cache_engine:
+        if KV_CACHE not in sleep_stages(self.config):
             return []
         return await self._switch.async_release_stage(KV_CACHE)
 

@@ -4,7 +4,7 @@ Each trainer worker's :class:`~.verl_adapter.SglRolloutAdapter` sends through :c
 
 * the copy-plan fast path (SGLang's ``update_weights_from_tensor`` with this package's loader,
   :mod:`sgl_rollout.weight_sync.fast_path`): each worker writes its own TP rank's shard
-  (:meth:`VerlWeightSync._send_fast`, :class:`_FastPathRound`);
+  (:meth:`VerlWeightSync._send_fast`, :class:`~sgl_rollout.weight_sync.driver.GroupLoader`);
 * SGLang's flattened buckets (``load_format="flattened_bucket"``,
   :mod:`sgl_rollout.weight_sync.flattened_bucket`), pipelined over the protocol's bucket rounds
   (:meth:`VerlWeightSync._send_buckets`, :mod:`sgl_rollout.weight_sync.protocol`).
@@ -24,85 +24,11 @@ import ray
 import torch
 
 from ..weight_sync import BucketStream
+from ..weight_sync.driver import GroupLoader, ServerFence, TPGroup, async_sync_fenced
 from ..weight_sync.fast_path import FastPathSender
-from ..weight_sync.protocol import Round, async_bucket_rounds
+from ..weight_sync.protocol import async_bucket_rounds
 
 logger = logging.getLogger(__name__)
-
-#: First element of a TP rank's item in a round when that rank failed (then its message).
-_ERR = "__sgl_rollout_error__"
-#: First element of a TP rank's item in a fast-path round when that rank has ended the sync.
-_LEFT = "__sgl_rollout_left__"
-
-
-class _PeerLeft(RuntimeError):
-    """Another TP rank ended the fast-path weight sync (it failed); raised from the round that heard it."""
-
-
-class _FastPathRound:
-    """The engine as one trainer worker's :class:`~sgl_rollout.weight_sync.fast_path.FastPathSender` sees
-    it under verl, where each TP rank's worker owns its own rank's buffer: one round over the replica's
-    TP group per call.
-
-    :meth:`update_weights_from_tensor` all-gathers every worker's payloads; the leader hands them to
-    the engine actor's ``update_weights_from_payloads(fast_path=True)`` and broadcasts the outcome, so
-    every worker returns (or raises) once the engine has answered for every rank. :meth:`share` is the
-    sender's all-gather. :meth:`close` is the round every worker ends a sync with. A worker that fails
-    between rounds (its generator, the manifest check) goes straight to it, with its error; workers
-    still in a sync round meet that closing item there, raise :class:`_PeerLeft` and end without a
-    closing round of their own, so no worker waits for a round the others never enter. With TP size 1
-    every round is local.
-
-    Args:
-        adapter: the worker's :class:`SglRolloutAdapter` (its TP group and engine actor).
-    """
-
-    def __init__(self, adapter):
-        self.adapter = adapter
-        self.config = adapter.rollout_config  # the sender checks the engine registers its loader
-
-    def _round(self, item) -> List[Any]:
-        got = self.adapter._all_gather((None, item))
-        left = [f"TP rank {r}: {why}" for r, (mark, why) in enumerate(got) if mark == _LEFT]
-        if left:
-            raise _PeerLeft("the weight sync ended on another TP rank: " + "; ".join(left))
-        return [x for _, x in got]
-
-    def share(self, obj) -> List[Any]:
-        """Every worker's ``obj``, in TP rank order.
-
-        Raises:
-            _PeerLeft: another worker has ended the sync.
-        """
-        return self._round(obj)
-
-    def update_weights_from_tensor(self, payloads: list, load_format: Optional[str] = None, flush_cache: bool = False):
-        """Load this round's payloads of every TP rank (``payloads``: this worker's); ``(True, "Success")``.
-
-        Raises:
-            _PeerLeft: another worker has ended the sync (nothing was loaded).
-            RuntimeError: the engine actor refused or failed the call (every worker raises it).
-        """
-        everyone = [p for part in self._round(list(payloads)) for p in part]
-        error = None
-        if self.adapter.is_leader_rank:
-            try:
-                ray.get(self.adapter.server.update_weights_from_payloads.remote(everyone, fast_path=True))
-            except Exception as exc:  # noqa: BLE001 - every TP rank must hear of it
-                error = f"{type(exc).__name__}: {exc}"
-        error = self.adapter._broadcast(error)
-        if error:
-            raise RuntimeError(f"the engine failed a fast-path weight sync call: {error}")
-        return True, "Success"
-
-    def flush_cache(self) -> None:
-        """Nothing: ``finish_weight_sync`` flushes the prefix cache."""
-
-    def close(self, error: Optional[BaseException]) -> List[str]:
-        """The closing round of a sync: every worker's error (``"TP rank r: ..."``), empty when all succeeded."""
-        why = f"{type(error).__name__}: {error}" if error is not None else ""
-        got = self.adapter._all_gather((_LEFT, why))
-        return [f"TP rank {r}: {w}" for r, (_, w) in enumerate(got) if w]
 
 
 class _AsyncToSyncIterator:
@@ -136,11 +62,6 @@ async def _aclose(named) -> None:
         except Exception:  # noqa: BLE001 - closing must not mask the sync's own outcome
             logger.debug("closing the weights generator failed", exc_info=True)
 
-
-
-def _is_error(payload) -> bool:
-    """A rank's failure report in a round (``(_ERR, message)``), not a payload."""
-    return isinstance(payload, tuple) and payload[:1] == (_ERR,)
 
 
 def _fast_send(sender: FastPathSender, items, validator) -> None:
@@ -217,19 +138,29 @@ class VerlWeightSync:
             return self._fast
         if not self._sync_path.fast(agree=self._all_gather):
             return None
-        rnd = _FastPathRound(self)
-        self._fast = FastPathSender(rnd, self._sync_manifest(), self.rollout_config.bucket_bytes,
+        group = self._sync_group()
+        loader = GroupLoader(group, self.server if self.is_leader_rank else None, self.rollout_config)
+        self._fast = FastPathSender(loader, self._sync_manifest(), self.rollout_config.bucket_bytes,
                                     devices=[torch.device("cuda", torch.cuda.current_device())],
                                     tp_size=self.tp_size, tp_ranks=[self.tp_rank],
-                                    share=rnd.share if self.tp_size > 1 else None)
+                                    share=group.round if self.tp_size > 1 else None)
         return self._fast
+
+    def _sync_group(self) -> TPGroup:
+        """The replica's TP ranks as the weight-sync driver sees them (:class:`~sgl_rollout.weight_sync.driver.TPGroup`)."""
+        return TPGroup(self._all_gather, self.tp_size)
+
+    def _fence(self, global_steps: Optional[int]) -> Optional[ServerFence]:
+        """The engine actor's sync fence on the TP leader (which calls the engine); None on the other ranks."""
+        return ServerFence(self.server, global_steps) if self.is_leader_rank else None
 
     async def _send_fast(self, sender: FastPathSender, named, global_steps: Optional[int]) -> None:
         """One weight sync on the fast path (``engine_kwargs.sgl_rollout.fast_sync``).
 
         Each TP rank's worker writes its own rank's shard of each bucket of the copy plan
         (:mod:`sgl_rollout.weight_sync.receiver`) into its buffer on its GPU, and the engine scatters
-        every rank's buffer into its parameters in one call per bucket (:class:`_FastPathRound`). After
+        every rank's buffer into its parameters in one call per bucket
+        (:class:`~sgl_rollout.weight_sync.driver.GroupLoader`). After
         the last bucket the engine closes the buffers' IPC handles and the workers free them, so no
         trainer memory is held while the trainer runs. A failure anywhere raises on every TP rank and
         ends the sync with ``finish_weight_sync(ok=False)``; the sender then asks for the copy plan
@@ -270,56 +201,36 @@ class VerlWeightSync:
             raise FastPathError(why)
         info = dict(model_path=self._sync_path.model_path, trust_remote_code=self._sync_path.trust_remote_code)
 
+        started = False
+
         async def work():
+            nonlocal started
+            started = True
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._bucket_executor(), receive_plan_buckets, sender, receipt, info)
 
-        def not_started(exc: BaseException) -> None:
-            receipt.refuse(f"{type(exc).__name__}: {exc}")
-
-        await self._fast_sync(sender, work, None, global_steps, not_started=not_started)
-
-    async def _fast_sync(self, sender: FastPathSender, work, named, global_steps: Optional[int],
-                         not_started=None) -> None:
-        """The fence, closing round and outcome of a fast-path sync whose body is ``await work()``;
-        ``not_started(exc)`` runs when the sync failed before the body began (the leader's fence refused)."""
-        began, started = False, False
-        error: Optional[BaseException] = None
         try:
-            if self.is_leader_rank:
-                await self.server.begin_weight_sync.remote()
-                began = True
-            started = True
-            await work()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the closing round
-            error = exc
-            if not started and not_started is not None:
-                not_started(exc)
-        peers = [] if isinstance(error, _PeerLeft) else sender.engine.close(error)
-        if error is None and peers:
-            error = RuntimeError("the weight sync failed on " + "; ".join(peers))
-        ok = error is None
-        if not ok:
-            sender.reset(new_key=False)
-        else:
-            self.base_syncs += 1
-        await self._end_sync(named, began, ok, global_steps)
-        if error is not None:
-            raise error
+            await self._fast_sync(sender, work, None, global_steps)
+        except BaseException as exc:
+            if not started:  # the leader's fence refused: the trainer rank must not wait for this one
+                receipt.refuse(f"{type(exc).__name__}: {exc}")
+            raise
 
-    async def _end_sync(self, named, began: bool, ok: bool, global_steps: Optional[int]) -> None:
-        """Close verl's weights generator; the leader then ends the engine's sync (``finish_weight_sync``)
-        if it began one. A failing ``finish_weight_sync`` is raised after a good sync and logged after a
-        failed one (whose own error is the one to raise)."""
-        if named is not None:
-            await _aclose(named)
-        if self.is_leader_rank and began:
-            try:
-                await self.server.finish_weight_sync.remote(ok=ok, global_steps=global_steps if ok else None)
-            except Exception:
-                if ok:
-                    raise
-                logger.exception("finish_weight_sync(ok=False) failed after a failed weight sync")
+    async def _fast_sync(self, sender: FastPathSender, work, named, global_steps: Optional[int]) -> None:
+        """A fast-path sync whose body is ``await work()``, run by the weight-sync driver
+        (:func:`~sgl_rollout.weight_sync.driver.async_sync_fenced`: the leader's fence, the closing round
+        over the TP ranks). A failed sync resets the sender's plan (the engine may have restarted) but
+        keeps its key; verl's weights generator is closed on every exit."""
+
+        async def on_end(ok: bool) -> None:
+            if ok:
+                self.base_syncs += 1
+            else:
+                sender.reset(new_key=False)
+            if named is not None:
+                await _aclose(named)
+
+        await async_sync_fenced(self._fence(global_steps), work, group=self._sync_group(), on_end=on_end)
 
     def _submit(self, method: str, *args):
         """Start a call of the engine actor's ``method`` now; an awaitable of its answer, which raises
@@ -334,64 +245,60 @@ class VerlWeightSync:
 
     async def _send_buckets(self, named, global_steps: Optional[int]) -> None:
         """One bucketed weight sync, pipelined: every TP rank flattens bucket k+1 while the engine loads
-        bucket k; the protocol's bucket rounds (:func:`~sgl_rollout.weight_sync.protocol.async_bucket_rounds`).
+        bucket k; the protocol's bucket rounds (:func:`~sgl_rollout.weight_sync.protocol.async_bucket_rounds`)
+        inside the driver's fence (:func:`~sgl_rollout.weight_sync.driver.async_sync_fenced`).
 
-        Each round, every rank flattens its next bucket (or finds none, or fails), the leader then waits
-        for the engine's step in flight (``begin_weight_sync`` in the first round, bucket k-1's load
-        after), and one all-gather gives every rank every rank's payload and the leader's answer. Every
-        rank then drops all but its newest buffer (the engine is done with them), and all decide the
-        same: stop on any failure, end when no rank has a bucket, else the leader starts the load of the
-        round's payloads. So a rank holds at most two buckets, and no buffer is freed before the engine
-        load that reads it has answered; on any exit the leader waits for a load in flight before the
-        buffers go.
+        Each round, every rank flattens its next bucket (or finds none), the leader waits for the engine's
+        step in flight (the fence's begin, sent before bucket 0 was read; bucket k-1's load), and one round of the TP group gives every rank every rank's payload.
+        Every rank then drops all but its newest buffer (the engine is done with them), and all decide the
+        same: end when no rank has a bucket, else the leader starts the load of the round's payloads. A
+        rank that fails (its bucket, or on the leader the engine's load) leaves with its reason, after the
+        leader's load in flight has answered, so no buffer is freed before the load that reads it has
+        answered; a rank holds at most two buckets.
         """
         leader = self.is_leader_rank
+        group = self._sync_group()
+        fence = ServerFence(self.server, global_steps, overlap=True) if leader else None
         stream, next_payload = self._payload_source(named)
-        pending, step, began = None, "", False
+        pending, step = None, ""
 
-        def begin() -> None:
-            nonlocal pending, step
-            if leader:
-                pending, step = self._submit("begin_weight_sync"), "begin a weight sync"
+        async def settle() -> None:  # the leader's load in flight, answered (or its error raised)
+            nonlocal pending
+            if pending is not None:
+                waiting, pending = pending, None
+                await waiting
 
-        async def next_round(bucket: int) -> Round:
-            nonlocal pending, began
-            local_exc: Optional[BaseException] = None
+        async def next_round(bucket: int) -> list:
+            error, payload = None, None
             try:
                 payload = await next_payload()
-            except Exception as exc:  # noqa: BLE001 - reported to every TP rank, re-raised by the protocol
-                local_exc, payload = exc, (_ERR, f"{type(exc).__name__}: {exc}")
-            engine_exc, engine_error = None, None
-            if pending is not None:
-                try:
-                    await pending
-                    began = True
-                except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it
-                    engine_exc, engine_error = exc, f"the engine refused to {step}: {exc}"
-                pending = None
-            rounds = self._all_gather((payload, engine_error))
+            except Exception as exc:  # noqa: BLE001 - raised once the load in flight has answered
+                error = exc
+            try:
+                if fence is not None:
+                    await fence.confirm()  # the fence's begin, sent before the first bucket was read
+                await settle()
+            except Exception as exc:  # noqa: BLE001 - the engine refused: this rank leaves with its own error
+                error = error or exc
+            if error is not None:
+                raise error
+            payloads = group.round(payload)
             stream.release(keep_newest=True)  # the engine has answered the load that read the older ones
-            payloads = [p for p, _ in rounds]
-            errors = [e for _, e in rounds if e] + [f"TP rank {r}: {p[1]}" for r, p in enumerate(payloads)
-                                                    if _is_error(p)]
-            return Round([None if _is_error(p) else p for p in payloads], errors, local_exc or engine_exc)
+            return payloads
 
         def load(payloads, bucket: int) -> None:  # started, not awaited: the next round overlaps it
             nonlocal pending, step
             if leader:
                 pending, step = self._submit("update_weights_from_payloads", list(payloads)), f"load bucket {bucket}"
 
-        async def finish(ok: bool) -> None:
-            nonlocal began
-            if pending is not None:  # left with a load in flight: its buffers stay until it answered
-                try:
-                    await pending
-                    began = True
-                except Exception:  # noqa: BLE001 - the sync has failed already; this is its cleanup
-                    logger.exception("the engine failed to %s while the weight sync was failing", step)
+        async def on_end(ok: bool) -> None:
+            try:
+                await settle()  # left with a load in flight (an interrupted caller): its buffers stay until then
+            except Exception:  # noqa: BLE001 - the sync has failed already; this is its cleanup
+                logger.exception("the engine failed to %s while the weight sync was failing", step)
             stream.release()
             if ok:
                 self.base_syncs += 1
-            await self._end_sync(named, began, ok, global_steps)
+            await _aclose(named)
 
-        await async_bucket_rounds(begin, next_round, load, finish)
+        await async_sync_fenced(fence, lambda: async_bucket_rounds(next_round, load), group=group, on_end=on_end)

@@ -60,7 +60,7 @@ class FastPathSender:
     the open and only :meth:`release` pays the close. The copy plan is asked of the engine once
     (op ``plan``, from ``manifest``); a sync then writes each bucket in plan order (one
     ``torch._foreach_copy_`` into views of the buffer made once per buffer, casting as needed; a
-    memcpy per piece for big pieces: :func:`_gather`), synchronizes the stream, and has SGLang scatter it.
+    memcpy per piece for big pieces: :func:`gather_bucket`), synchronizes the stream, and has SGLang scatter it.
 
     Extra GPU memory on the sending side: the buffers (one bucket per TP rank, each on its rank's
     GPU), the status blocks (1 MiB each), and trainer tensors that arrive before the bucket that
@@ -91,7 +91,7 @@ class FastPathSender:
         tp_ranks: the engine TP ranks of ``devices`` (one each); None: ``range(len(devices))``, all of them.
         share: with ``tp_ranks`` short of every rank: ``share(obj)`` returns every process's ``obj`` in
             TP rank order (an all-gather over the replica's TP group; it may raise to end the sync).
-        gather: how a bucket is written into the buffer (:data:`GATHER_METHODS`, see :func:`_gather`):
+        gather: how a bucket is written into the buffer (:data:`GATHER_METHODS`, see :func:`gather_bucket`):
             ``"auto"`` (default: per-piece memcpy for big pieces, one ``torch._foreach_copy_`` for many small ones),
             ``"copy"``, ``"foreach"`` or ``"cat"``. The destinations are views of the persistent buffer
             made once. All write the same bytes; ``python -m sgl_rollout.bench sync`` times each.
@@ -129,10 +129,7 @@ class FastPathSender:
         self._seq = 0
         self._t_mark = time.perf_counter()
         self._mem = _RankBuffers(self.devices)  # per rank: the buffer and status block shared with the engine
-        self._layouts: Optional[List[List[list]]] = None  # per rank, per bucket: list of Piece
-        self._chunks: Optional[List[list]] = None  # per rank: the engine's copy plan (Chunk lists)
-        self._program: Optional[_SendProgram] = None  # the plan path's per-sync constants
-        self._plan_ids: List[str] = []
+        self.plan: Optional[CopyPlan] = None  # the engine's copy plan, once asked for (ensure_plan)
         self._registered = False  # the engine's config was checked to list the loader
         self.covered: Optional[bool] = None
         self.reason = ""
@@ -251,8 +248,8 @@ class FastPathSender:
     def ensure_plan(self) -> bool:
         """Ask the engine for the copy plan once; True when every rank's layout is covered.
 
-        Call inside a sync (``engine.begin_sync()``): it goes through ``update_weights_from_tensor``
-        but changes no weight.
+        Call inside a sync fence (:mod:`.driver`): it goes through ``update_weights_from_tensor`` but
+        changes no weight.
         """
         if self.covered is not None:
             return self.covered
@@ -271,17 +268,15 @@ class FastPathSender:
             logger.warning("weight sync: the copy plan does not cover this model (%s); using SGLang's load_weights "
                            "on flattened buckets", self.reason)
             return False
-        self._plan_ids = [h["plan_id"] for h in headers]
-        self._chunks = [a[3] for a in answers]
-        self._layouts = [layout([Chunk.from_list(c) for c in a[3]], self.bucket_bytes) for a in answers]
-        self._program = _SendProgram(self._layouts)
+        self.plan = CopyPlan([h["plan_id"] for h in headers], [a[3] for a in answers], self.bucket_bytes,
+                             entries, self.manifest.optional)
         self.covered = True
         return True
 
     # ------------------------------------------------------------- sync
     def send(self, named_tensors: Iterable[NamedTensor], validator=None, partial: bool = False,
              group_of: Optional[Callable[[str], object]] = None) -> SyncStats:
-        """Sync ``named_tensors`` (call inside ``engine.begin_sync()``/``end_sync()``).
+        """Sync ``named_tensors`` (call inside a sync fence: :func:`~.driver.sync_fenced`).
 
         Args:
             named_tensors: (HF name, tensor), CPU or CUDA, any float dtype (cast to the engine's),
@@ -306,7 +301,7 @@ class FastPathSender:
         self.timings = {}
         with torch.no_grad():  # trainer parameters require grad; copies into the buffer must not record
             if partial or not self.ensure_plan():
-                stats = self._send_load(named_tensors, validator, group_of)
+                stats = _send_load(self, named_tensors, validator, group_of)
             else:
                 stats = self._send_plan(named_tensors, validator)
         if stats.n_buckets:
@@ -314,69 +309,37 @@ class FastPathSender:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _send_load(self, named_tensors, validator, group_of=None) -> SyncStats:
-        """Op ``load``: each bucket of :func:`~.bucket.iter_buckets` flattened into every served rank's
-        buffer, SGLang's ``load_weights`` on views of it; the protocol's bucket rounds
-        (:func:`~.protocol.bucket_rounds`, inside the caller's sync fence)."""
-        stats = SyncStats()
-        model_bytes = self._manifest_bytes()
-        buckets = iter_buckets(named_tensors, self.bucket_bytes, validator=validator, group_of=group_of)
-
-        def next_round(_b: int) -> list:
-            bucket = next(buckets, None)
-            if bucket is None:
-                return [None] * len(self.tp_ranks)
-            _, total = bucket_layout(bucket)
-            # one buffer of min(bucket, model) bytes for the whole sync: a buffer replaced while the
-            # engine still holds its handle is not freed, so growing it per bucket would double the peak
-            size = max(total, min(self.bucket_bytes, model_bytes))
-            out = []
-            for i in range(len(self.tp_ranks)):
-                flat = flatten_bucket(bucket, device=self.devices[i], out=self._mem.buffer(i, size))
-                out.append((dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx,
-                                                   m.end_idx] for m in flat.metadata]), self._buffers[i], flat))
-            return out
-
-        def load(payloads: list, _b: int) -> None:
-            self._call([h for h, _, _ in payloads], [buf for _, buf, _ in payloads])
-            stats.add(payloads[-1][2])
-
-        bucket_rounds(begin=lambda: None, next_round=next_round, load=load, finish=lambda ok: None)
-        return stats
-
-    def _manifest_bytes(self) -> int:
-        return sum((spec.nbytes + ALIGN - 1) // ALIGN * ALIGN for spec in self.manifest.specs.values())
-
-    def _gather_rank(self, i: int, r: int, b: int, feed: "_SourceFeed") -> Tuple[dict, Optional[torch.Tensor]]:
+    def _gather_rank(self, i: int, r: int, b: int, feed: "SourceFeed") -> Tuple[dict, Optional[torch.Tensor]]:
         """:meth:`_rank_bucket` with the bucket gathered from ``feed``'s sources into the buffer."""
-        ops = self._program.ops[r]
-        return self._rank_bucket(i, r, b, lambda buf: _gather(
+        ops = self.plan.program.ops[r]
+        return self._rank_bucket(i, r, b, lambda buf: gather_bucket(
             ops[b], feed.held, buf, lambda srcs: self._mem.dsts(i, b, buf, ops[b], srcs), self.gather))
 
     def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
                      ) -> Tuple[dict, Optional[torch.Tensor]]:
         """Served rank ``i`` (engine TP rank ``r``)'s header and buffer for plan bucket ``b``, ``write(buf)``
         having filled the buffer (timed as ``gather.copy``); a no-op for a rank whose plan has fewer buckets."""
-        prog = self._program
+        prog = self.plan.program
         if b >= len(prog.ops[r]):
-            return dict(op="copy", plan_id=self._plan_ids[i], bucket=-1), None
+            return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None
         t_alloc = time.perf_counter()
         buf = self._mem.buffer(i, prog.buffer_bytes[r])
         t_copy = self._tick("gather.alloc", t_alloc)
         write(buf)
         self._tick("gather.copy", t_copy)
-        return dict(op="copy", plan_id=self._plan_ids[i], bucket=b), buf
+        return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), buf
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
         """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
         the engine, a source dropped once the bucket with its last piece was loaded."""
-        feed = _SourceFeed(named_tensors, validator, self._program.last_use)
+        prog = self.plan.program
+        feed = SourceFeed(named_tensors, validator, prog.last_use)
 
         def fill(b: int) -> list:
-            feed.take(b, self._program.needed[b])
+            feed.take(b, prog.needed[b])
             return [self._gather_rank(i, r, b, feed) for i, r in enumerate(self.tp_ranks)]
 
-        stats = self._plan_rounds(fill, lambda b: feed.drop(self._program.drop_after[b]), feed.finish)
+        stats = self._plan_rounds(fill, lambda b: feed.drop(prog.drop_after[b]), feed.finish)
         stats.n_tensors = feed.seen
         return stats
 
@@ -385,7 +348,7 @@ class FastPathSender:
         """The plan path's bucket rounds (:func:`~.protocol.bucket_rounds`): ``fill(b)`` gives each served
         rank's (header, buffer) of bucket ``b``, the engine scatters them, ``loaded(b)`` follows; ``done()``
         after the last bucket of a sync that did not fail."""
-        prog, stats = self._program, SyncStats()
+        prog, stats = self.plan.program, SyncStats()
 
         def next_round(b: int) -> list:
             return [None] * len(self.tp_ranks) if b >= prog.n_buckets else fill(b)
@@ -397,8 +360,40 @@ class FastPathSender:
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, *(x.numel() for x in self._buffers if x is not None))
             loaded(b)
 
-        bucket_rounds(begin=lambda: None, next_round=next_round, load=load, finish=lambda ok: ok and done())
+        bucket_rounds(next_round=next_round, load=load)
+        done()
         return stats
+
+    def load_written(self, write: Callable[[int, torch.Tensor], None]) -> SyncStats:
+        """The plan path's bucket rounds for a sender that serves one TP rank and whose buckets are written
+        by someone else: ``write(b, buf)`` fills ``buf`` (``torch.uint8``, ``plan.bucket_sizes(r)[b]``
+        bytes of the persistent buffer) with bucket ``b``, then the engine scatters it. Call inside a sync
+        fence; the prefix cache is flushed after the last bucket. Timings restart (:attr:`timings`).
+
+        Returns:
+            SyncStats of the engine's rounds (``n_tensors`` 0: no tensor passes here).
+
+        Raises:
+            FastPathError: the loader failed inside SGLang; whatever ``write`` raised.
+        """
+        r = self.tp_ranks[0]
+        sizes = self.plan.program.sizes[r]
+        t0 = self._t_mark = time.perf_counter()
+        self.timings = {}
+
+        def fill(b: int) -> list:
+            return [self._rank_bucket(0, r, b, lambda buf: write(b, buf[: sizes[b]]))]
+
+        with torch.no_grad():
+            stats = self._plan_rounds(fill, lambda b: None, lambda: None)
+        if stats.n_buckets:
+            self.engine.flush_cache()
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of served rank 0's buffer (``torch.uint8``), to read into what must be discarded."""
+        return self._mem.buffer(0, nbytes)
 
     def ping(self) -> float:
         """Seconds of one fast-path round trip that copies nothing (op ``noop``), inside a sync fence."""
@@ -409,7 +404,7 @@ class FastPathSender:
     def digest(self) -> List[Dict[str, str]]:
         """SHA-256 of each SGLang parameter's bytes, one dict per TP rank served (for bit-exact checks).
 
-        Call inside a sync fence (``engine.weight_sync()``); it copies every parameter to the CPU
+        Call inside a sync fence (:func:`~.driver.fenced`); it copies every parameter to the CPU
         inside the scheduler, so it is slow for big models.
         """
         bodies = self._call_each("digest")
@@ -439,7 +434,39 @@ class FastPathSender:
         self.release(notify=False)
         if new_key:
             self.key = uuid.uuid4().hex
-        self.covered, self._layouts, self._chunks, self._program, self.reason = None, None, None, None, ""
+        self.covered, self.plan, self.reason = None, None, ""
+
+
+def _send_load(sender: FastPathSender, named_tensors, validator, group_of=None) -> SyncStats:
+    """Op ``load`` of ``sender`` (partial syncs, and layouts the copy plan does not cover): each bucket of
+    :func:`~.bucket.iter_buckets` flattened into every served rank's buffer, SGLang's ``load_weights`` on
+    views of it; the protocol's bucket rounds (:func:`~.protocol.bucket_rounds`, inside the fence of
+    :func:`~.driver.sync_fenced`). One buffer of min(bucket, model) bytes serves the whole sync: a buffer
+    replaced while the engine still holds its handle is not freed, so growing it per bucket would double
+    the peak."""
+    stats = SyncStats()
+    model_bytes = sum((spec.nbytes + ALIGN - 1) // ALIGN * ALIGN for spec in sender.manifest.specs.values())
+    buckets = iter_buckets(named_tensors, sender.bucket_bytes, validator=validator, group_of=group_of)
+
+    def next_round(_b: int) -> list:
+        bucket = next(buckets, None)
+        if bucket is None:
+            return [None] * len(sender.tp_ranks)
+        _, total = bucket_layout(bucket)
+        size = max(total, min(sender.bucket_bytes, model_bytes))
+        out = []
+        for i in range(len(sender.tp_ranks)):
+            flat = flatten_bucket(bucket, device=sender.devices[i], out=sender._mem.buffer(i, size))
+            out.append((dict(op="load", meta=[[m.name, dtype_name(m.dtype), list(m.shape), m.start_idx,
+                                               m.end_idx] for m in flat.metadata]), sender._buffers[i], flat))
+        return out
+
+    def load(payloads: list, _b: int) -> None:
+        sender._call([h for h, _, _ in payloads], [buf for _, buf, _ in payloads])
+        stats.add(payloads[-1][2])
+
+    bucket_rounds(next_round=next_round, load=load)
+    return stats
 
 
 #: Ways :class:`FastPathSender` writes a bucket into its buffer (its ``gather`` argument).
@@ -499,7 +526,37 @@ class _BucketOps:
         self.mean_bytes = (self.ops[-1].end / len(self.ops)) if self.ops else 0.0
 
 
-class _SendProgram:
+class CopyPlan:
+    """The engine's copy plan as one sender holds it: op ``plan``'s answer of every TP rank (which bytes of
+    which trainer tensor go where), cut into buckets of at most ``bucket_bytes`` (:func:`~.plan.layout`),
+    and the plan path's per-sync constants (:class:`SendProgram`).
+
+    Args:
+        plan_ids: per served rank, the id the loader checks each bucket against (:func:`~.plan.plan_id`).
+        chunks: per TP rank, the engine's copy plan (:class:`~.plan.Chunk` lists, as lists).
+        bucket_bytes: most bytes per bucket.
+        entries: the manifest's entries (:func:`~.plan.manifest_entries`) the plan was asked for.
+        optional: names a full sync may leave out.
+    """
+
+    def __init__(self, plan_ids: List[str], chunks: List[list], bucket_bytes: int, entries: list, optional):
+        self.plan_ids, self.chunks, self.bucket_bytes = list(plan_ids), chunks, int(bucket_bytes)
+        self._entries, self._optional = entries, sorted(optional)
+        self.layouts = [layout([Chunk.from_list(c) for c in ch], self.bucket_bytes) for ch in chunks]
+        self.program = SendProgram(self.layouts)
+
+    def message(self, r: int) -> dict:
+        """What a sender elsewhere needs to pack TP rank ``r``'s buckets: ``tp_rank``, ``chunks``,
+        ``bucket_bytes``, ``manifest`` (the entries) and ``optional``. JSON-able."""
+        return dict(tp_rank=r, chunks=self.chunks[r], bucket_bytes=self.bucket_bytes, manifest=self._entries,
+                    optional=self._optional)
+
+    def bucket_sizes(self, r: int) -> List[int]:
+        """Bytes of each bucket of TP rank ``r``, in order."""
+        return [int(self.program.sizes[r][b]) for b in range(len(self.program.ops[r]))]
+
+
+class SendProgram:
     """The plan path's per-sync constants, from the layouts (per TP rank, per bucket, the pieces):
     ops per rank and bucket, names each bucket needs, when each source may be dropped, bytes."""
 
@@ -573,7 +630,7 @@ class _RankBuffers:
         self.views.clear()
 
 
-class _SourceFeed:
+class SourceFeed:
     """The plan path's reading of the trainer's stream of (name, tensor): each tensor checked by the
     validator as it comes, and held (``held``) from then until the last bucket that needs it is sent."""
 
@@ -634,7 +691,7 @@ class _SourceFeed:
 
 
 @trace.traced("rollout.bucket")
-def _gather(bucket: _BucketOps, held: Dict[str, torch.Tensor], buf: torch.Tensor,
+def gather_bucket(bucket: _BucketOps, held: Dict[str, torch.Tensor], buf: torch.Tensor,
             dsts: Callable[[List[torch.Tensor]], List[torch.Tensor]], method: str = "auto") -> None:
     """Write the pieces of ``bucket`` from the sources in ``held`` into ``buf`` by ``method``
     (:data:`GATHER_METHODS`); ``dsts(sources)`` gives each piece's view of ``buf`` (made once per buffer).

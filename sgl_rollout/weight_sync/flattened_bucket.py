@@ -80,13 +80,13 @@ def send_flattened_buckets(
         if on_bucket is not None:
             on_bucket(bucket, stream.last_bucket_bytes)
 
-    def finish(ok: bool) -> None:
+    try:
+        bucket_rounds(next_round=lambda _bucket: [stream.next_payload()] * tp_size, load=load,
+                      release=lambda _bucket: stream.release())
+    finally:
         stream.release()
-        if ok and stream.stats.n_buckets:
-            engine.flush_cache()
-
-    bucket_rounds(begin=lambda: None, next_round=lambda _bucket: [stream.next_payload()] * tp_size, load=load,
-                  finish=finish, release=lambda _bucket: stream.release())
+    if stream.stats.n_buckets:
+        engine.flush_cache()
     stats = stream.stats
     stats.seconds = time.perf_counter() - t0
     return stats

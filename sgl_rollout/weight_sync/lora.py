@@ -469,6 +469,7 @@ class AdapterSync:
             MemoryStateError: the weights are released, requests run, or another operation is in progress.
             RuntimeError: SGLang refused the adapter or a bucket.
         """
+        from .driver import EngineFence, sync_fenced
         from .flattened_bucket import send_flattened_buckets
         from .manifest import SyncValidator
 
@@ -485,7 +486,7 @@ class AdapterSync:
             if isinstance(base, (list, tuple, ItemsView)) and self.manifest is not None:
                 base = list(base)
                 SyncValidator(self.manifest).validate_all(base)
-        with self.engine.weight_sync():
+        def body():
             if base is not None:
                 tb = time.perf_counter()
                 validator = None
@@ -497,8 +498,11 @@ class AdapterSync:
                 stats.base_sent, stats.base_tensors, stats.base_bytes = True, s.n_tensors, s.bytes
                 stats.base_seconds = time.perf_counter() - tb
             tl = time.perf_counter()
-            record = self.engine.load_lora_adapter_from_tensors(self.name, payload)
+            loaded = self.engine.load_lora_adapter_from_tensors(self.name, payload)
             stats.load_seconds = time.perf_counter() - tl
+            return loaded
+
+        record = sync_fenced(EngineFence(self.engine), body)
         self.engine.flush_cache()
         stats.version = record.version
         stats.adapter_tensors, stats.adapter_bytes, stats.payload_bytes = (payload.n_tensors, payload.tensor_bytes,
@@ -570,6 +574,7 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
         MemoryStateError, RuntimeError: as :meth:`RolloutWorker.update_weights`.
     """
     from ..memory import KV_CACHE
+    from .driver import EngineFence, sync_fenced
 
     engine = worker.engine
     sync = AdapterSync(engine, name=name, manifest=worker.manifest)
@@ -580,8 +585,7 @@ def update_adapter(worker, adapter, peft_config, base_weights=None, offload_trai
 
     def load_adapter():
         t = time.perf_counter()
-        with engine.weight_sync():
-            record = engine.load_lora_adapter_from_tensors(name, payload)
+        record = sync_fenced(EngineFence(engine), lambda: engine.load_lora_adapter_from_tensors(name, payload))
         if not engine.state.is_released(KV_CACHE):
             engine.flush_cache()
         stats.version, stats.load_seconds = record.version, time.perf_counter() - t

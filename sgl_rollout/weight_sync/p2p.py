@@ -39,7 +39,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 
 from .. import trace
-from .fast_path import FastPathError, FastPathSender, _gather, _SendProgram, _SourceFeed
+from .fast_path import FastPathError, FastPathSender, SendProgram, SourceFeed, gather_bucket
 from .manifest import ParamSpec, SyncValidator, WeightManifest
 from .plan import Chunk, dtype_of, layout, manifest_entries
 from .protocol import SyncStats
@@ -192,7 +192,7 @@ class PlanPacker:
     """Trainer side: the buckets of some rollout TP ranks' copy plans, packed into one buffer on this GPU.
 
     Args:
-        plans: one published plan per destination (:func:`plan_message`, in the order the
+        plans: one published plan per destination (:meth:`CopyPlan.message <.fast_path.CopyPlan.message>`, in the order the
             destinations are served): ``chunks``, ``bucket_bytes``, ``manifest``, ``optional``.
         device: this trainer rank's GPU (the CPU: tests).
         rename: trainer name -> checkpoint name (:mod:`sgl_rollout.checkpoint_names`), or None.
@@ -202,13 +202,13 @@ class PlanPacker:
 
     def __init__(self, plans: Sequence[dict], device, rename: Optional[Callable[[str], str]] = None):
         self.layouts = [layout([Chunk.from_list(c) for c in p["chunks"]], int(p["bucket_bytes"])) for p in plans]
-        self.program = _SendProgram(self.layouts)
+        self.program = SendProgram(self.layouts)
         self.device, self.rename = torch.device(device), rename
         first = plans[0]
         specs = {n: ParamSpec(tuple(shape), dtype_of(dt)) for n, dt, shape in first["manifest"]}
         self.manifest = WeightManifest(specs, optional=first.get("optional", ()))
         self.buffer: Optional[torch.Tensor] = None
-        self._feed: Optional[_SourceFeed] = None
+        self._feed: Optional[SourceFeed] = None
 
     @property
     def seen(self) -> int:
@@ -224,7 +224,7 @@ class PlanPacker:
         """
         prog = self.program
         named = ((self.rename(n), t) for n, t in named_tensors) if self.rename else named_tensors
-        feed = self._feed = _SourceFeed(named, SyncValidator(self.manifest), prog.last_use)
+        feed = self._feed = SourceFeed(named, SyncValidator(self.manifest), prog.last_use)
         size = max(prog.buffer_bytes)
         if self.buffer is None or self.buffer.numel() < size:
             self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
@@ -234,7 +234,7 @@ class PlanPacker:
                 feed.take(b, prog.needed[b])
                 for d, ops in enumerate(prog.ops):
                     if b < len(ops):
-                        _gather(ops[b], feed.held, buf, lambda srcs, o=ops[b]: [op.dst_view(buf) for op in o.ops])
+                        gather_bucket(ops[b], feed.held, buf, lambda srcs, o=ops[b]: [op.dst_view(buf) for op in o.ops])
                         yield d, b, buf[: prog.sizes[d][b]]
                 feed.drop(prog.drop_after[b])
             feed.finish()
@@ -440,44 +440,24 @@ def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Opt
         if not sender.ensure_plan():
             raise FastPathError(f"the copy plan does not cover this model ({sender.reason}); use "
                                 "checkpoint_engine.backend=nccl")
-        receipt.publish(dict(plan_message(sender), **(info or {})))
+        receipt.publish(dict(sender.plan.message(sender.tp_ranks[0]), **(info or {})))
     except BaseException as exc:
         receipt.group.broken = True
         receipt.refuse(f"{type(exc).__name__}: {exc}")
         raise
-    prog, r = sender._program, sender.tp_ranks[0]
-    link = _Link(receipt, len(prog.ops[r]))
-
-    def bucket(b: int) -> list:  # the one served rank's (header, buffer), received over the link
-        return [sender._rank_bucket(0, r, b, lambda buf: link.fill(0, b, buf[: prog.sizes[r][b]]))]
-
-    t0 = sender._t_mark = time.perf_counter()
-    sender.timings = {}
-    scratch = lambda n: sender._mem.buffer(0, n)  # noqa: E731 - the buffer takes what is left
+    link = _Link(receipt, len(sender.plan.bucket_sizes(sender.tp_ranks[0])))
     try:
-        with torch.no_grad():
-            stats = sender._plan_rounds(bucket, lambda b: None, lambda: None)
-        if stats.n_buckets:
-            sender.engine.flush_cache()
-        link.finish(scratch)
+        stats = sender.load_written(lambda b, buf: link.fill(0, b, buf))
+        link.finish(sender.scratch)
     except BaseException:
         receipt.group.broken = True
         if not link.ended:
             try:
-                link.finish(scratch)
+                link.finish(sender.scratch)
             except Exception:  # noqa: BLE001 - this sync's own error is the one to raise
                 logger.debug("the link ended with the trainer's error too", exc_info=True)
         raise
     sender.release()
-    stats.seconds = time.perf_counter() - t0
     return stats
 
 
-def plan_message(sender: FastPathSender, i: int = 0) -> dict:
-    """What a trainer rank needs to pack served rank ``i``'s buckets of ``sender``'s engine: ``tp_rank``,
-    ``chunks`` (the engine's copy plan as :class:`~.plan.Chunk` lists), ``bucket_bytes``, ``manifest``
-    (:func:`~.plan.manifest_entries`) and ``optional`` (names a full sync may leave out). JSON-able; call
-    after ``sender.ensure_plan()`` returned True."""
-    r = sender.tp_ranks[i]
-    return dict(tp_rank=r, chunks=sender._chunks[r], bucket_bytes=sender.bucket_bytes,
-                manifest=manifest_entries(sender.manifest), optional=sorted(sender.manifest.optional))

@@ -1,19 +1,10 @@
-"""One weight sync, whoever drives it: begin -> bucket rounds -> finish.
+"""The bucket rounds of one weight sync, and the figures it reports.
 
-* **begin**: the engine fences off generates (``begin_sync`` / the server's ``begin_weight_sync``);
-* **a round**: every TP rank's sender makes its next bucket's payload (None when it has no more), the
-  round is checked (:func:`check_round`), the engine loads the payloads (one per TP rank), and the
-  senders drop the buffers the engine has read;
-* **finish**: the engine ends the fence, complete or not (``end_sync`` / ``finish_weight_sync(ok)``).
-
-The same rules hold in-process (:class:`~sgl_rollout.worker.RolloutWorker`), across Ray actors
-(:func:`sgl_rollout.server.sync_weights_from_workers`) and in verl's trainer workers
-(:mod:`sgl_rollout.integrations.verl_weight_sync`, which pipelines the rounds: the engine loads bucket k while
-the ranks make bucket k+1):
-
-* every rank must run out of buckets in the same round; ranks that disagree fail the sync;
-* a failure on any rank, or in the engine, fails the sync on every rank;
-* finish runs on every exit, and a buffer is dropped only after the load that reads it has answered.
+A round: every TP rank's sender makes its next bucket's payload (None when it has no more), the round is
+checked (:func:`check_round`), the engine loads the payloads (one per TP rank), and the senders drop the
+buffers the engine has read. Every rank must run out of buckets in the same round; ranks that disagree
+fail the sync. The fence around the rounds, the closing round and the rule by which TP ranks in several
+processes agree on errors are :mod:`.driver`'s (:func:`~.driver.sync_fenced`), which every way in calls.
 """
 
 from __future__ import annotations
@@ -58,27 +49,23 @@ class SyncStats:
 
 
 class RoundError(RuntimeError):
-    """A bucket round failed: a rank or the engine reported an error, or the ranks disagree on whether
-    buckets are left. The message names the bucket and the ranks."""
+    """The TP ranks disagree on whether buckets are left; the message names the bucket."""
 
 
-def check_round(payloads: Sequence[Any], bucket: int, errors: Sequence[str] = ()) -> bool:
+def check_round(payloads: Sequence[Any], bucket: int) -> bool:
     """The rule every driver applies to a round, the same on every rank.
 
     Args:
         payloads: each TP rank's payload of bucket ``bucket``, in rank order; None: that rank has no
             more buckets.
         bucket: the round's index (0-based), for the message.
-        errors: what failed in this round (a rank's ``"TP rank r: ..."``, the engine's refusal).
 
     Returns:
         True when every rank is done (the sync ends); False when every rank has a bucket to load.
 
     Raises:
-        RoundError: ``errors`` is not empty, or some ranks are done and others are not.
+        RoundError: some ranks are done and others are not.
     """
-    if errors:
-        raise RoundError(f"bucket {bucket} failed: " + "; ".join(errors))
     done = [p is None for p in payloads]
     if all(done):
         return True
@@ -87,61 +74,31 @@ def check_round(payloads: Sequence[Any], bucket: int, errors: Sequence[str] = ()
     return False
 
 
-@dataclass
-class Round:
-    """What a round gathered, for drivers whose ranks report failures in the round itself (each rank
-    must take part in every collective, so a failing rank sends its error instead of a payload).
-
-    Attributes:
-        payloads: each TP rank's payload (None: done), in rank order.
-        errors: what failed in this round, one line each (``"TP rank 1: ..."``, the engine's refusal).
-        error: this process's own exception behind one of ``errors``, raised in place of the
-            :class:`RoundError` so the caller sees the original.
-    """
-
-    payloads: Sequence[Any]
-    errors: Sequence[str] = ()
-    error: Optional[BaseException] = None
-
-
-def _bucket_rounds(begin: Callable[[], Any], next_round: Callable[[int], Any],
-                   load: Callable[[Sequence[Any], int], Any], finish: Callable[[bool], Any],
+def _bucket_rounds(next_round: Callable[[int], Any], load: Callable[[Sequence[Any], int], Any],
                    release: Optional[Callable[[int], Any]] = None):
     """The body of :func:`bucket_rounds` (:mod:`sgl_rollout.twin`)."""
-    yield Step.call(begin)
-    ok, n = False, 0
-    try:
-        while True:
-            got = yield Step.call(next_round, n)
-            rnd = got if isinstance(got, Round) else Round(got)
-            try:
-                try:
-                    if check_round(rnd.payloads, n, rnd.errors):
-                        break
-                except RoundError as exc:
-                    raise rnd.error or exc
-                yield Step.call(load, rnd.payloads, n)
-            finally:
-                if release is not None:
-                    yield Step.call(release, n)
-            n += 1
-        ok = True
-    finally:
-        yield Step.call(finish, ok)
+    n = 0
+    while True:
+        payloads = yield Step.call(next_round, n)
+        try:
+            if check_round(payloads, n):
+                break
+            yield Step.call(load, payloads, n)
+        finally:
+            if release is not None:
+                yield Step.call(release, n)
+        n += 1
     return n
 
 
-def bucket_rounds(begin: Callable[[], Any], next_round: Callable[[int], Sequence[Any]],
-                  load: Callable[[Sequence[Any], int], Any], finish: Callable[[bool], Any],
+def bucket_rounds(next_round: Callable[[int], Sequence[Any]], load: Callable[[Sequence[Any], int], Any],
                   release: Optional[Callable[[int], Any]] = None) -> int:
-    """Run one weight sync: ``begin()``, then rounds until every rank is done, then ``finish(ok)``.
+    """Run the bucket rounds of one weight sync, inside the fence of :func:`~.driver.sync_fenced`.
 
     Args:
-        begin: fence the engine off for the sync.
         next_round: ``(bucket) -> payloads``, one per TP rank in rank order, None for a rank with no
-            more buckets (:func:`check_round`'s input); or a :class:`Round` with the round's failures.
+            more buckets (:func:`check_round`'s input).
         load: ``(payloads, bucket)``: the engine loads them; returns when it has answered.
-        finish: ``(ok)``: end the engine's fence; runs on every exit, after the last release.
         release: ``(bucket)``: drop the buffers of the round's payloads; runs after the load answered
             (or failed), also in the round that ends the sync.
 
@@ -150,11 +107,11 @@ def bucket_rounds(begin: Callable[[], Any], next_round: Callable[[int], Sequence
 
     Raises:
         RoundError: the ranks disagree on the bucket count.
-        whatever a callable raises; ``finish(False)`` has run.
+        whatever a callable raises.
     """
-    return run_sync(_bucket_rounds(begin, next_round, load, finish, release))
+    return run_sync(_bucket_rounds(next_round, load, release))
 
 
-async def async_bucket_rounds(begin, next_round, load, finish, release=None) -> int:
+async def async_bucket_rounds(next_round, load, release=None) -> int:
     """:func:`bucket_rounds` from inside an event loop; each callable may be a coroutine function."""
-    return await run_async(_bucket_rounds(begin, next_round, load, finish, release))
+    return await run_async(_bucket_rounds(next_round, load, release))

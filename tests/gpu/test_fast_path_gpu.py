@@ -16,6 +16,7 @@ from sgl_rollout.config import RolloutConfig
 from sgl_rollout.memory import MemoryStateError
 from sgl_rollout.weight_sync.fast_path import FastPathError
 from sgl_rollout.worker import RolloutWorker
+from sgl_rollout.weight_sync.driver import fenced
 
 from .greedy import assert_greedy_equal
 
@@ -51,7 +52,7 @@ def _worker(path, tp=1):
 
 
 def _digest(worker):
-    with worker.engine.weight_sync():
+    with fenced(worker.engine):
         return worker._fast.digest()
 
 

@@ -19,6 +19,7 @@ import torch
 
 from sgl_rollout.weight_sync.manifest import SyncValidationError
 from sgl_rollout.weight_sync.p2p import PeerGroup, PlanReceipt, TrainerRefused, receive_plan_buckets, send_plan_buckets
+from sgl_rollout.weight_sync.driver import fenced
 
 from .greedy import assert_greedy_equal
 from .test_fast_path_gpu import PROMPTS, _digest, _greedy, _model, _params, _worker
@@ -56,7 +57,7 @@ def _sync(worker, groups, named):
     t = threading.Thread(target=trainer)
     t.start()
     try:
-        with worker.engine.weight_sync():
+        with fenced(worker.engine):
             got["rollout"] = receive_plan_buckets(worker._fast, PlanReceipt(groups[1], source=0, index=0))
     except BaseException as exc:  # noqa: BLE001
         got["rollout"] = exc

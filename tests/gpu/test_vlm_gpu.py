@@ -24,6 +24,7 @@ import torch
 from sgl_rollout.bench import gpu_engine_flags
 from sgl_rollout.config import RolloutConfig
 from sgl_rollout.worker import RolloutWorker
+from sgl_rollout.weight_sync.driver import fenced
 
 from .greedy import NEAR_TIE
 
@@ -181,7 +182,7 @@ def test_video_output_depends_on_the_frames(vlm, n_frames):
 
 
 def _digest(worker):
-    with worker.engine.weight_sync():
+    with fenced(worker.engine):
         return worker._fast.digest()
 
 
