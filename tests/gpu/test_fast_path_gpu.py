@@ -94,9 +94,9 @@ def _bit_exact(tmp_path, arch, tie, tp):
         split = parts["sync.call.request"] + parts["sync.call.loader"] + parts["sync.call.reply"]
         assert 0 < parts["sync.call.loader"] and abs(split - parts["sync.call"]) < 0.2 * parts["sync.call"] + 1e-3, parts
         assert_greedy_equal(a, PROMPTS, _greedy(worker))
-        n_pieces = sum(len(x) for x in worker._fast._layouts[0])
+        n_pieces = sum(len(x) for x in worker._fast.plan.layouts[0])
         print(f"\nFASTPATH | {arch} tie={tie} tp={tp} | bit-exact vs SGLang load_weights | "
-              f"{n_pieces} pieces in {len(worker._fast._layouts[0])} buckets | greedy == HF")
+              f"{n_pieces} pieces in {len(worker._fast.plan.layouts[0])} buckets | greedy == HF")
     finally:
         worker.shutdown()
 
