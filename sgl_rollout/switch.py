@@ -1,7 +1,7 @@
 """The train-to-rollout switch of one replica: release by sleep level, stage -> tags, the staged wake, phase timing.
 
 Every caller that moves a replica's memory goes through :class:`Switch` (the in-process worker, the Ray
-server, verl's server and trainer-side adapter, the LoRA path); none of them lists tags or orders the
+server, verl's server and trainer-side rollout, the LoRA path); none of them lists tags or orders the
 stages itself.
 
 Stages and their tags (torch-memory-saver regions SGLang tags, ``sglang/srt/constants.py``):

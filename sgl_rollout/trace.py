@@ -16,9 +16,9 @@ listener stays registered and the other listeners still get the span.
 
 Spans the package emits (name: where; fields):
 
-* ``rollout.resume``: ``SglRolloutAdapter.resume`` (verl's trainer worker); ``tags``, verl's argument.
-* ``rollout.release``: ``SglRolloutAdapter.release``.
-* ``rollout.update_weights``: ``SglRolloutAdapter.update_weights``.
+* ``rollout.resume``: ``SglRollout.resume`` (verl's trainer worker); ``tags``, verl's argument.
+* ``rollout.release``: ``SglRollout.release``.
+* ``rollout.update_weights``: ``SglRollout.update_weights``.
 * ``rollout.bucket``: one bucket made ready to send: ``BucketStream.next_payload`` (flattened,
   serialized) or, on the fast path, its pieces written into the persistent buffer.
 * ``rollout.call``: one round of the fast path's engine call over the TP ranks (``FastPathSender``).

@@ -3,6 +3,7 @@ dispatch marks kept, this package's spans through :mod:`sgl_rollout.trace`, its 
 the exit status where the GPU or verl's GPU stack is missing, the TP-layout refusal and the per-replica
 request counts at verl's default log level."""
 
+import argparse
 import asyncio
 import json
 import os
@@ -317,13 +318,13 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
     from test_fast_path import hf_weights, rig
 
     from sgl_rollout import trace
-    from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+    from sgl_rollout.integrations.verl_rollout import SglRollout
     from sgl_rollout.server import RolloutServer
 
     from sgl_rollout.weight_sync import fast_path as sender_mod
 
     monkeypatch.setattr(verl_probe, "TARGETS", [])  # verl's, SGLang's and torch's targets: other tests
-    package_fns = lambda: [RolloutServer.resume_stage, SglRolloutAdapter.resume, sender_mod.gather_bucket,  # noqa: E731
+    package_fns = lambda: [RolloutServer.resume_stage, SglRollout.resume, sender_mod.gather_bucket,  # noqa: E731
                            sender_mod.FastPathSender._call]
     before = package_fns()
     assert verl_probe.install()
@@ -352,7 +353,7 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
         asyncio.run(RolloutServer.resume_stage(server, "optimizer"))
     adapter = types.SimpleNamespace(rollout_config=types.SimpleNamespace(free_cache_engine=False, sleep_level=2),
                                     is_leader_rank=True)
-    asyncio.run(SglRolloutAdapter.resume(adapter, tags=["weights"]))
+    asyncio.run(SglRollout.resume(adapter, tags=["weights"]))
 
     got = spans_in(probe_dir)
     names = [s["name"] for s in got]
@@ -366,7 +367,7 @@ def test_the_probe_records_the_packages_spans_through_the_trace_hook(probe_dir, 
 
     verl_probe.uninstall()
     assert not trace.enabled()
-    asyncio.run(SglRolloutAdapter.resume(adapter, tags=["kv_cache"]))
+    asyncio.run(SglRollout.resume(adapter, tags=["kv_cache"]))
     assert len(spans_in(probe_dir)) == len(got)
 
 
@@ -764,12 +765,12 @@ def test_engine_refuses_the_layout_before_sglang_starts(tmp_path, monkeypatch):
         RolloutEngine(RolloutConfig(model_path=str(tmp_path), tensor_model_parallel_size=2))
 
 
-def test_verl_adapter_refuses_a_tp_the_model_heads_do_not_split(tmp_path, monkeypatch):
+def test_verl_rollout_refuses_a_tp_the_model_heads_do_not_split(tmp_path, monkeypatch):
     """verl's trainer worker builds the adapter before any replica starts: that is where it is refused."""
     pytest.importorskip("verl")
     from test_verl_config import compose, make_tiny_model
 
-    from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+    from sgl_rollout.integrations.verl_rollout import SglRollout
     from sgl_rollout.integrations.verl_config import check_verl_tp
 
     model = make_tiny_model(str(tmp_path / "tiny"))  # 4 attention heads, 2 KV heads
@@ -777,11 +778,11 @@ def test_verl_adapter_refuses_a_tp_the_model_heads_do_not_split(tmp_path, monkey
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(TPLayoutError, match=r"actor_rollout_ref.rollout.tensor_model_parallel_size=3 does not "
                                             r"divide the model's 4 attention heads"):
-        SglRolloutAdapter(root.actor_rollout_ref.rollout, root.actor_rollout_ref.model, device_mesh=None)
+        SglRollout(root.actor_rollout_ref.rollout, root.actor_rollout_ref.model, device_mesh=None)
     root = compose("actor_rollout_ref.rollout.tensor_model_parallel_size=2", model_path=model)
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(TPLayoutError, match="exceeds the 1 GPU"):
-        SglRolloutAdapter(root.actor_rollout_ref.rollout, root.actor_rollout_ref.model, device_mesh=None)
+        SglRollout(root.actor_rollout_ref.rollout, root.actor_rollout_ref.model, device_mesh=None)
     smol = types.SimpleNamespace(hf_config=types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3))
     with pytest.raises(TPLayoutError, match="9 attention heads"):
         check_verl_tp(root.actor_rollout_ref.rollout, smol)
@@ -849,6 +850,30 @@ def test_random_model_is_written_by_a_child_process(tmp_path, monkeypatch):
     assert (out / "model.safetensors").read_bytes() != b"not copied"
     assert not torch.cuda.is_initialized()
     assert verl_compare.random_llama_like(src, tmp_path / "random") == out and len(children) == 1  # written once
+
+
+def test_the_8b_random_shape_is_a_7b_plus_model_sent_to_the_child(tmp_path, monkeypatch):
+    """``--random-model 8b``: Llama-3-8B's dims with the source's vocabulary (issue 47's sharded transfer
+    of 7B+); counted here from the shape, the child that writes 15 GB of weights is not run."""
+    from sgl_rollout.bench import models
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"vocab_size": 49152}))
+    sent = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: sent.append(json.loads(cmd[-2])))
+    verl_compare.random_llama_like(src, tmp_path / "random8b", "8b")
+    (dims,) = sent
+    h, i, n, kv = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"], dims["num_key_value_heads"]
+    head = h // dims["num_attention_heads"]
+    params = n * (2 * h * h + 2 * h * kv * head + 3 * h * i + 2 * h) + 2 * dims["vocab_size"] * h + h
+    assert dims["vocab_size"] == 49152 and dims["hidden_size"] == models.LLAMA3_8B["hidden_size"]
+    assert 7.0e9 < params < 8.0e9, params
+    with pytest.raises(ValueError, match="unknown random model shape"):
+        verl_compare.random_llama_like(src, tmp_path / "x", "70b")
+    parser = argparse.ArgumentParser()
+    verl_compare.add_arguments(parser)
+    assert parser.parse_args(["--random-model", "8b"]).random_model == "8b"
 
 
 # ------------------------------------------------------------------------------------ --nnodes

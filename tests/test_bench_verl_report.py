@@ -671,3 +671,26 @@ def test_fully_async_steps_logged_at_one_logger_step_each_count(tmp_path):
     assert s["reward"][1][1] == pytest.approx(0.16093750298023224)  # step 2's own score, not step 3's
     # its weight sync, which verl logs as timing_s/timing_s/param_sync: steps 2 and 3 (after the first)
     assert s["metrics"]["timing_s/param_sync"]["n"] == 2 and s["metrics"]["timing_s/param_sync"]["median"] > 0
+
+
+def test_the_step_own_part_is_one_line_summing_what_the_package_owns():
+    """Issue 47's goal 5: each side's update, a request's way in, the answers' way back and the replica's
+    sleep (medians over the steps after the first), summed, with the ratio and the aim."""
+    from sgl_rollout.bench import verl_report
+
+    def run(update, way_in, back, sleep):
+        return {"metrics": {verl_report.UPDATE_KEY: {"median": update}},
+                "gen_phases": {"gen: first request -> last answer / client -> SGLang, k-th request": {"median": way_in},
+                               "gen: last answer -> replica.sleep / server.generate returned": {"median": back},
+                               "gen: replica.sleep": {"median": sleep},
+                               "gen: first request -> last answer": {"median": 9.0}}}  # not the package's
+
+    runs = {"builtin": run(1.2, 0.12, 0.05, 0.77), "ours": run(0.7, 0.10, 0.04, 0.15)}
+    assert verl_report.owned_seconds(runs["ours"]) == (pytest.approx(0.99), ["update", "way in", "way back", "sleep"])
+    (line, blank) = verl_report._owned_line(runs, ["builtin", "ours"])
+    assert "update + way in + way back + sleep" in line and "built-in 2.140 s" in line and "sgl-rollout 0.990 s" in line
+    assert "0.46x (aim: <= 0.5x)" in line and blank == ""
+    only_update = {"builtin": {"metrics": {verl_report.UPDATE_KEY: {"median": 2.0}}}, "ours": {"metrics": {}}}
+    assert verl_report.owned_seconds(only_update["ours"]) == (None, [])
+    assert "sum of the medians of update:" in verl_report._owned_line(only_update, ["builtin", "ours"])[0]
+    assert verl_report._owned_line({"ours": {}}, ["ours"]) == []

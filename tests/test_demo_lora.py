@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from fakes import FakeSGLangEngine, FakeTokenizerManager, hf_sample
+from sgl_rollout.config import ALL_LINEAR_MODULES
 from sgl_rollout.demo import task
 from sgl_rollout.weight_sync import lora
 from sgl_rollout.weight_sync.manifest import SyncValidator, WeightManifest
@@ -181,7 +182,7 @@ def check_common(r, steps):
     trained = [x for x in r.rows if not x["final"]]
     assert [x["step"] for x in r.rows] == list(range(steps + 1)) and r.rows[-1]["final"] and len(trained) == steps
     assert r.rcfg.lora_enabled and r.rcfg.lora_rank == 4 and r.rcfg.lora_alpha == 8.0  # alpha defaults to 2 * rank
-    assert sorted(r.rcfg.server_lora_target_modules()) == sorted(lora.ALL_LINEAR_MODULES)
+    assert sorted(r.rcfg.server_lora_target_modules()) == sorted(ALL_LINEAR_MODULES)
     # the adapter is loaded at the start and after every step; every generate (eval too) names it
     loads = calls(r.fake, "load_lora")
     assert len(loads) == steps + 1
@@ -210,7 +211,7 @@ def check_common(r, steps):
     s = r.summary
     assert s["lora_rank"] == 4 and s["lora_alpha"] == 8.0 and s["adapter_sync_ms_median"] > 0
     assert s["adapter_bytes"] == trained[0]["adapter_bytes"] and s["trainable_params"] == r.trainer.trainable_parameters()
-    assert s["first_adapter"]["base_sent"] is False and s["lora_targets"] == sorted(lora.ALL_LINEAR_MODULES)
+    assert s["first_adapter"]["base_sent"] is False and s["lora_targets"] == sorted(ALL_LINEAR_MODULES)
     assert json.loads((r.out / "summary.json").read_text())["base_sent_steps"] == s["base_sent_steps"]
     assert json.loads((r.out / "config.json").read_text())["lora_rank"] == 4
     # the memory-step plot finds a training step (it ends with the adapter's load)

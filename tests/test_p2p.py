@@ -334,7 +334,7 @@ def test_the_backend_without_the_fast_path_is_refused_at_start_up_in_one_line(cf
 
 
 # ====================================================================== through the adapter
-# SglRolloutAdapter._receive_plan as verl's CheckpointEngineWorker reaches it (wire_format sgl_rollout_plan):
+# SglRollout._receive_plan as verl's CheckpointEngineWorker reaches it (wire_format sgl_rollout_plan):
 # test_verl_fast_path's rig (one adapter per TP rank on threads, the engine actor a double running the
 # real loader), fed by trainer threads over gloo.
 

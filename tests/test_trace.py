@@ -199,7 +199,7 @@ def test_a_listener_removed_gets_nothing_more_and_bad_listeners_are_refused():
 
 def test_the_package_emits_its_spans_where_the_probe_expects_them():
     """The methods the benchmark's probe reads are marked with the span names its report knows."""
-    from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+    from sgl_rollout.integrations.verl_rollout import SglRollout
     from sgl_rollout.integrations.verl_server import VerlRolloutServer
     from sgl_rollout.server import RolloutServer
     from sgl_rollout.weight_sync import fast_path, flattened_bucket
@@ -210,8 +210,8 @@ def test_the_package_emits_its_spans_where_the_probe_expects_them():
         RolloutServer.resume_stage: "server.resume", RolloutServer.begin_weight_sync: "server.begin_weight_sync",
         RolloutServer.update_weights_from_payloads: "server.update_weights_from_payloads",
         RolloutServer.finish_weight_sync: "server.finish_weight_sync",
-        SglRolloutAdapter.resume: "rollout.resume", SglRolloutAdapter.release: "rollout.release",
-        SglRolloutAdapter.update_weights: "rollout.update_weights", VerlRolloutServer.generate: "server.generate",
+        SglRollout.resume: "rollout.resume", SglRollout.release: "rollout.release",
+        SglRollout.update_weights: "rollout.update_weights", VerlRolloutServer.generate: "server.generate",
     }
     assert [(fn.__qualname__, name) for fn, name in marked.items()
             if getattr(fn, "__sgl_rollout_span__", None) != name] == []

@@ -1,6 +1,6 @@
 """verl's hydra-composed trainer config (verl/trainer/config/ppo_trainer.yaml) through this package's
 mapping: the default, each variant verl's own SGLang server honours, and every refusal names its key.
-No Ray here; the Ray-driven checks are in test_verl_adapter.py."""
+No Ray here; the Ray-driven checks are in test_verl_rollout.py."""
 
 import json
 import os
@@ -18,7 +18,7 @@ from sgl_rollout.integrations.verl_config import (  # noqa: E402
     resolve_local_model,
     rollout_config_from_verl,
 )
-from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter  # noqa: E402
+from sgl_rollout.integrations.verl_rollout import SglRollout  # noqa: E402
 from sgl_rollout.integrations.verl_server import SglRolloutReplica, format_address, server_name  # noqa: E402
 
 
@@ -225,7 +225,7 @@ def test_adapter_quantizes_fp8_before_the_sync(tiny_model, tmp_path, monkeypatch
 
     monkeypatch.setenv("RANK", "0")
     cfg = VerlRolloutConfig(name="sglang", tensor_model_parallel_size=1, quantization="fp8")
-    adapter = SglRolloutAdapter(cfg, {"_target_": "verl.workers.config.HFModelConfig", "path": tiny_model})
+    adapter = SglRollout(cfg, {"_target_": "verl.workers.config.HFModelConfig", "path": tiny_model})
     assert adapter.is_leader_rank and adapter.replica_rank == 0 and adapter._sync_manifest() is None
 
     async def collect(items):

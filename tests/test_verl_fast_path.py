@@ -1,5 +1,5 @@
 """The fast-path weight sync through verl (``engine_kwargs.sgl_rollout.fast_sync``) without Ray or GPUs:
-each TP rank's trainer worker is a thread with its own ``SglRolloutAdapter`` and fast-path sender, the
+each TP rank's trainer worker is a thread with its own ``SglRollout`` and fast-path sender, the
 replica's TP group an all-gather over the threads, and the engine actor a double that runs the real
 fast-path loader over SGLang-shaped models (``test_fast_path.py``). It checks that every rank's shard
 arrives bit for bit, that the buffers are freed after each sync, and that a failure on any one rank
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sgl_rollout.integrations.verl_adapter as verl_adapter
+import sgl_rollout.integrations.verl_rollout as verl_rollout
 from fakes import ThreadGroup
 from sgl_rollout.config import FAST_SYNC_LOADER
-from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+from sgl_rollout.integrations.verl_rollout import SglRollout
 from sgl_rollout.weight_sync.driver import GroupLoader, PeerLeft
 from sgl_rollout.weight_sync.manifest import SyncValidationError
 from sgl_rollout.weight_sync.path import SyncPath
@@ -66,18 +66,18 @@ class Server:
 
 @pytest.fixture(autouse=True)
 def ray_get(monkeypatch):
-    monkeypatch.setattr(verl_adapter.ray, "get", lambda answer: answer.fn())
+    monkeypatch.setattr(verl_rollout.ray, "get", lambda answer: answer.fn())
 
 
 def rank_adapters(server, group, tp_size, manifest, bucket_bytes):
-    """One adapter and fast-path sender per TP rank, as ``SglRolloutAdapter._fast_sender`` makes them
+    """One adapter and fast-path sender per TP rank, as ``SglRollout._fast_sender`` makes them
     (on the CPU here)."""
     config = SimpleNamespace(fast_sync=True, bucket_bytes=bucket_bytes, layered_summon=False, validate_sync=True,
                              free_cache_engine=True, tensor_model_parallel_size=tp_size,
                              to_server_args=lambda: {"custom_weight_loader": [FAST_SYNC_LOADER]})
     out = []
     for r in range(tp_size):
-        a = object.__new__(SglRolloutAdapter)
+        a = object.__new__(SglRollout)
         a.tp_rank, a.tp_size, a._tp_group, a._server, a._fp8 = r, tp_size, None, server, False
         a.base_syncs, a.rollout_config, a._executor = 0, config, None
         a._sync_path = SyncPath(config, "/none")
@@ -186,7 +186,7 @@ def test_without_cuda_the_flattened_path_is_taken_and_the_reason_logged_once(cap
     from sgl_rollout.weight_sync.path import SyncPath
 
     def adapter(fast_sync):
-        a = object.__new__(SglRolloutAdapter)
+        a = object.__new__(SglRollout)
         a.tp_rank, a.tp_size, a._tp_group, a._fast = 0, 1, None, None
         a.rollout_config = SimpleNamespace(fast_sync=fast_sync, validate_sync=True, model_path="/none")
         a._sync_path = SyncPath(a.rollout_config)
@@ -210,3 +210,19 @@ def test_fast_sync_off_decides_without_a_collective():
 
     path = SyncPath(SimpleNamespace(fast_sync=False, validate_sync=True, model_path="/none"))
     assert path.fast(agree=no_collective) is False and path.fast(agree=no_collective) is False
+
+
+def test_an_engine_actor_lookup_that_fails_on_the_leader_ends_the_sync_on_every_rank(monkeypatch):
+    """The leader looks the engine actor up when the fence rises (ray.get_actor): a failed lookup is the
+    fence's refusal, which the other rank hears in its first round instead of waiting there for ever."""
+    models, server, group, adapters = make()
+    adapters[0]._server, adapters[0].replica_rank = None, 0
+
+    def lookup(name):
+        raise ValueError(f"Failed to look up actor {name!r}")
+
+    monkeypatch.setattr(verl_rollout.ray, "get_actor", lookup)
+    out = sync(group, adapters, [iter(hf_weights(seed=10)) for _ in range(2)])
+    assert isinstance(out[0], ValueError) and "Failed to look up actor" in str(out[0])
+    assert isinstance(out[1], PeerLeft) and "Failed to look up actor" in str(out[1])
+    assert server.calls == []  # nothing reached the engine

@@ -41,7 +41,7 @@ def test_main_ppo_imports_and_resolves_sglang_to_this_package():
     lines = out.stdout.splitlines()
     assert "TQ True" in lines and "RUNNER True" in lines
     assert "TRAINER PPOTrainerSync" in lines  # trainer.v1.trainer_mode=sync, the default
-    assert "ROLLOUT sgl_rollout.integrations.verl_adapter.SglRolloutAdapter True" in lines
+    assert "ROLLOUT sgl_rollout.integrations.verl_rollout.SglRollout True" in lines
     assert "REPLICA sgl_rollout.integrations.verl_server.SglRolloutReplica True" in lines
 
 

@@ -43,8 +43,8 @@ def test_import_verl_loads_plugin_and_registries_return_our_classes():
         "from verl.workers.rollout.base import BaseRollout; from verl.workers.rollout.replica import RolloutReplica;"
         "print('ROLLOUT', cls.__module__ + '.' + cls.__name__, issubclass(cls, BaseRollout));"
         "print('REPLICA', rep.__module__ + '.' + rep.__name__, issubclass(rep, RolloutReplica))"))
-    assert "PATH sgl_rollout.integrations.verl_adapter.SglRolloutAdapter" in out
-    assert "ROLLOUT sgl_rollout.integrations.verl_adapter.SglRolloutAdapter True" in out
+    assert "PATH sgl_rollout.integrations.verl_rollout.SglRollout" in out
+    assert "ROLLOUT sgl_rollout.integrations.verl_rollout.SglRollout True" in out
     assert "REPLICA sgl_rollout.integrations.verl_server.SglRolloutReplica True" in out
     assert "LOG INFO sgl_rollout rollout.name=sglang is answered by sgl-rollout" in out
 
@@ -92,4 +92,4 @@ def test_doctor_reports_every_check():
                   'verl resolves "sglang" to'):
         assert any(line.startswith(label) for line in out.stdout.splitlines()), label
     assert "SGLang check enabled in engine: False" in out.stdout
-    assert "sgl_rollout.integrations.verl_adapter.SglRolloutAdapter (this package" in out.stdout
+    assert "sgl_rollout.integrations.verl_rollout.SglRollout (this package" in out.stdout

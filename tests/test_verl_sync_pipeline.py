@@ -1,8 +1,8 @@
-"""The verl adapter's bucketed weight sync (``SglRolloutAdapter._send_buckets``) without Ray or GPUs: the
+"""The verl adapter's bucketed weight sync (``SglRollout._send_buckets``) without Ray or GPUs: the
 engine actor is a double whose calls answer when the test says so. It checks the pipelining (the engine
 loads bucket k while the trainer flattens bucket k+1), that no bucket's buffer is dropped before the load
 that reads it answered, and how a refusal at each step ends the sync. The TP=2 protocol over
-torch.distributed, with verl's own worker, is ``tests/test_verl_adapter.py``'s."""
+torch.distributed, with verl's own worker, is ``tests/test_verl_rollout.py``'s."""
 
 import asyncio
 from types import SimpleNamespace
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter
+from sgl_rollout.integrations.verl_rollout import SglRollout
 from sgl_rollout.weight_sync import BucketStream
 
 
@@ -42,7 +42,7 @@ class Engine:
 
 
 def adapter(engine, bucket_bytes):
-    a = object.__new__(SglRolloutAdapter)
+    a = object.__new__(SglRollout)
     from sgl_rollout.weight_sync.path import SyncPath
 
     a.tp_rank, a.tp_size, a._tp_group, a._server, a._fp8 = 0, 1, None, engine, False

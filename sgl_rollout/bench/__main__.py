@@ -1,4 +1,4 @@
-"""``python -m sgl_rollout.bench {verl,sync,lora,gather,scale,requests}``: see :mod:`sgl_rollout.bench`."""
+"""``python -m sgl_rollout.bench {verl,sync,lora,gather,p2p,scale,requests}``: see :mod:`sgl_rollout.bench`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmarks' command line."""
-    from . import requests, scale, verl_compare
+    from . import p2p, requests, scale, verl_compare
 
     p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench",
                                 description="Benchmarks of sgl-rollout (GPU; verl compares in verl's own trainer).")
@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("gather", help="time the sender's gather primitives (no engine)")
     g.add_argument("--repeats", type=int, default=10)
     g.add_argument("--out", default="bench_gather.json")
+    pp = sub.add_parser("p2p", help="the sgl_rollout checkpoint engine's wire, 0.1 to 16 GB, vs a plain GPU-to-GPU copy")
+    p2p.add_arguments(pp)
     sc = sub.add_parser("scale", help="scale on paper: sync and switch cost at 8, 64 and 1,000 GPUs (no GPU)")
     scale.add_arguments(sc)
     rq = sub.add_parser("requests", help="the guarded engine's own cost per generate request (CPU, engine double)")
@@ -44,6 +46,10 @@ def main(argv=None) -> int:
         from . import verl_compare
 
         return verl_compare.main(args)
+    if args.cmd == "p2p":
+        from . import p2p
+
+        return p2p.main(args)
     if args.cmd == "scale":
         from . import scale
 

@@ -14,6 +14,11 @@ LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
     num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048,
 )
+# Llama-3-8B's shape (7.0B parameters in its decoder layers; the embeddings follow the tokenizer's vocabulary).
+LLAMA3_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+)
 # SmolLM2-135M's shape (the demo's model; tied embeddings).
 SMOLLM2_135M = dict(
     hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

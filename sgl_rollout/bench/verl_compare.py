@@ -50,7 +50,7 @@ from .verl_trainers import MODULES, SYNC_KEYS, TRAINERS, override_value, split_g
 #: those named): the only thing that decides which rollout answers ``rollout.name=sglang``.
 PLUGINS = {"builtin": "none", "ours": "sgl_rollout"}
 #: Shapes ``--random-model`` can build (Llama-shaped, random bf16 weights, the source model's tokenizer).
-RANDOM_SHAPES = ("1b",)
+RANDOM_SHAPES = ("1b", "8b")
 #: ``--task`` choices: the demo's arithmetic (text), the shapes task (images; :mod:`.vlm`), the sums in
 #: multi-turn episodes with tool responses (:mod:`.agent_task`).
 TASKS = ("arith", "shapes", "tools")
@@ -513,8 +513,10 @@ def _quote(s: str) -> str:
 
 # ------------------------------------------------------------------------------------ model
 def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
-    """A Llama-shaped model of ``shape`` with random bf16 weights and ``src``'s tokenizer (same vocabulary
-    size and special-token ids), written once into ``out``; for timing runs (its rollouts are noise).
+    """A Llama-shaped model of ``shape`` (``"1b"``: TinyLlama-1.1B's dims; ``"8b"``: Llama-3-8B's, 7.4B
+    parameters with SmolLM2's vocabulary, 14.8 GB in bf16) with random bf16 weights and ``src``'s tokenizer
+    (same vocabulary size and special-token ids), written once into ``out``; for timing runs (its rollouts
+    are noise).
 
     The weights are made on a GPU when there is one, in a child process: made here, the runner would
     keep a CUDA context and torch's cached blocks (about 5.6 GB on GPU 0 for the 1.1B shape) through
@@ -524,7 +526,7 @@ def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
         ValueError: unknown shape.
         subprocess.CalledProcessError: the child process that writes the weights failed.
     """
-    from .models import LLAMA_1B
+    from .models import LLAMA3_8B, LLAMA_1B
 
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random model shape {shape!r}; one of {RANDOM_SHAPES}")
@@ -532,7 +534,7 @@ def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     src_cfg = json.loads((Path(src) / "config.json").read_text())
-    dims = dict(LLAMA_1B, vocab_size=int(src_cfg["vocab_size"]))
+    dims = dict({"1b": LLAMA_1B, "8b": LLAMA3_8B}[shape], vocab_size=int(src_cfg["vocab_size"]))
     code = ("import json, sys; from sgl_rollout.bench.models import make_llama_dir; "
             "make_llama_dir(sys.argv[1], json.loads(sys.argv[2]), with_weights=True, device=sys.argv[3])")
     subprocess.run([sys.executable, "-c", code, str(out), json.dumps(dims), "cuda" if _cuda() else "cpu"],

@@ -36,7 +36,7 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   ``empty_cache``, ``synchronize`` and ``barrier`` and verl's ``set_expandable_segments``;
 * the rollout adapter in the trainer worker: verl's ``ServerAdapter``
   (``verl/workers/rollout/sglang_rollout/sglang_rollout.py``, wrapped) or this package's
-  ``SglRolloutAdapter`` (its spans): ``resume`` (``rollout.resume[<tags>]``), ``release``,
+  ``SglRollout`` (its spans): ``resume`` (``rollout.resume[<tags>]``), ``release``,
   ``update_weights`` (``rollout.update_weights``); their bucketers (verl's ``get_named_tensor_buckets``:
   ``rollout.bucket`` busy, the weights generator included; this package: ``rollout.bucket`` per bucket
   flattened, or on its fast path written into the buffer) and engine calls (verl's

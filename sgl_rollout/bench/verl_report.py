@@ -901,6 +901,47 @@ def _greedy_lines(entry: dict) -> List[str]:
     return lines
 
 
+#: The parts of a step this package owns (issue 47's "the step, in one line"): label -> where the report
+#: keeps its median (a verl metric, or a phase of :func:`gen_breakdown`).
+OWNED_PARTS = (
+    ("update", ("metrics", UPDATE_KEY)),
+    ("way in", ("gen_phases", "gen: first request -> last answer / client -> SGLang, k-th request")),
+    ("way back", ("gen_phases", "gen: last answer -> replica.sleep / server.generate returned")),
+    ("sleep", ("gen_phases", "gen: replica.sleep")),
+)
+
+
+def owned_seconds(run: dict) -> Tuple[Optional[float], List[str]]:
+    """The step's seconds this package owns on one side: the sum of the medians (over the steps after the
+    first) of :data:`OWNED_PARTS` the run recorded: the weight update (``timing_s/update_weights``, the
+    wake's stages inside it), a request's way in (verl's client to SGLang, the k-th request), the answers'
+    way back (the last answer to the server actor's return) and the replica's sleep.
+
+    Returns:
+        (seconds, the parts found); None when none was recorded.
+    """
+    total, found = 0.0, []
+    for label, (where, key) in OWNED_PARTS:
+        v = (run.get(where) or {}).get(key, {}).get("median")
+        if v is not None:
+            total, found = total + v, found + [label]
+    return (total if found else None), found
+
+
+def _owned_line(runs: Dict[str, dict], cols: List[str]) -> List[str]:
+    """The report's one line on the package's own part of the step (:func:`owned_seconds`), with the
+    ratio and issue 47's aim (<= 0.5x the built-in's)."""
+    got = {s: owned_seconds(runs[s]) for s in cols}
+    if all(v is None for v, _ in got.values()):
+        return []
+    parts = sorted({p for _, found in got.values() for p in found}, key=[p for p, _ in OWNED_PARTS].index)
+    line = f"The step's own part, sum of the medians of {' + '.join(parts)}: " + ", ".join(
+        f"{SIDE_LABELS[s]} {_f(got[s][0])} s" for s in cols)
+    if len(cols) == 2 and got["builtin"][0] and got["ours"][0] is not None:
+        line += f", {_f(got['ours'][0] / got['builtin'][0], '.2f')}x (aim: <= 0.5x)"
+    return [line, ""]
+
+
 def markdown(comparison: dict) -> str:
     """The report: with two or more pairs first the targets over all of them (:func:`across_pairs`);
     then per pair, verl's metrics (median / p90 over steps after the first) side by side, the targets,
@@ -947,6 +988,7 @@ def markdown(comparison: dict) -> str:
         va = [f"{_f(_first(runs[s]['val_acc']))} -> {_f(_last(runs[s]['val_acc']))}" for s in cols]
         lines.append("| held-out accuracy, first -> last | " + " | ".join(va) + (" | |" if len(cols) == 2 else " |"))
         lines.append("")
+        lines += _owned_line(runs, cols)
         lines += _greedy_lines(entry) + _ckpt_lines(runs)
         lines += _peak_process_table(runs, cols)
         lines += _awake_lines(runs, cols)

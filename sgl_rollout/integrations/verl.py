@@ -17,7 +17,7 @@ import logging
 logger = logging.getLogger("sgl_rollout")
 
 #: What verl's ``_ROLLOUT_REGISTRY[("sglang", "async")]`` holds once registered (a class path).
-ROLLOUT_CLASS = "sgl_rollout.integrations.verl_adapter.SglRolloutAdapter"
+ROLLOUT_CLASS = "sgl_rollout.integrations.verl_rollout.SglRollout"
 REPLICA_CLASS = "sgl_rollout.integrations.verl_server.SglRolloutReplica"
 NAME = "sglang"
 

@@ -6,7 +6,7 @@ trainers): ``actor_rollout_ref.rollout.checkpoint_engine.backend=sgl_rollout``. 
 ``CheckpointEngineManager.update_weights`` (``verl/checkpoint_engine/base.py``) then drives it as any
 backend: ``prepare`` and ``init_process_group`` on every trainer and rollout worker, the trainers'
 ``send_weights(get_per_tensor_param())``, the rollout workers' ``receive_weights`` handed to this
-package's adapter (``SglRolloutAdapter.update_weights(wire_format=WIRE_FORMAT)``), ``finalize``.
+package's rollout (``SglRollout.update_weights(wire_format=WIRE_FORMAT)``), ``finalize``.
 
 What differs from verl's ``nccl`` backend (``verl/checkpoint_engine/nccl_checkpoint_engine.py``),
 which broadcasts every full tensor from trainer rank 0 to every rollout GPU through two buckets on each:
@@ -17,7 +17,7 @@ which broadcasts every full tensor from trainer rank 0 to every rollout GPU thro
 * the bytes land in the fast path's persistent buffer, which the engine scatters into its parameters:
   no second bucket and no copy out of a broadcast buffer on the rollout side;
 * the group and its store live across syncs (``prepare`` allocates nothing, ``finalize`` frees nothing
-  but the fast path's buffer, which the adapter frees after each sync).
+  but the fast path's buffer, which the rollout frees after each sync).
 
 Only this package's rollout (``rollout.name=sglang`` answered by sgl-rollout, fast path on) can take
 its ``receive_weights``; :func:`~.verl_config.check_served_features` refuses it otherwise.
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 #: ``checkpoint_engine.backend`` value of this backend.
 BACKEND = "sgl_rollout"
-#: ``wire_format`` this backend's ``receive_weights`` hands the adapter (verl's ``CheckpointEngineWorker``
+#: ``wire_format`` this backend's ``receive_weights`` hands the rollout (verl's ``CheckpointEngineWorker``
 #: reads the backend's ``wire_format`` attribute).
 WIRE_FORMAT = "sgl_rollout_plan"
 
@@ -185,7 +185,7 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
         return {"sgl_rollout/send_s": stats.seconds, "sgl_rollout/send_bytes": float(stats.bytes)}
 
     def receive_weights(self, global_steps: Optional[int] = None) -> PlanReceipt:
-        """The receipt the adapter receives with (not a generator: verl hands it on unread).
+        """The receipt the rollout receives with (not a generator: verl hands it on unread).
 
         Raises:
             RuntimeError: called before :meth:`init_process_group`, or on a trainer rank.

@@ -35,7 +35,7 @@ Mapped (verl's semantics):
 
 This package's own settings sit under ``engine_kwargs.sgl_rollout`` (:data:`SGL_ROLLOUT_KWARGS`):
 ``fast_sync`` (``RolloutConfig.fast_sync``, on by default: weight syncs on the copy-plan fast path,
-each trainer worker sending its own TP rank's shard; ``SglRolloutAdapter._send_fast``). Any other key
+each trainer worker sending its own TP rank's shard; ``SglRollout._send_fast``). Any other key
 there is refused.
 
 What the replica and the adapter build from it: :func:`rollout_config_for_verl` (the mapping above

@@ -11,7 +11,7 @@ Interfaces implemented (verl 0.9.1, read from its source):
   ``generate`` returning ``TokenOutput``, ``abort_all_requests``, ``resume_generation``,
   ``clear_kv_cache``, ``release_kv_cache``, ``resume_kv_cache``, ``start_profile``, ``stop_profile``,
   ``get_server_address``, ``set_global_steps``. The trainer side, which sends the weights to it, is
-  :mod:`.verl_adapter`.
+  :mod:`.verl_rollout`.
 
 Server addresses: verl keys its request load balancer (``verl/workers/rollout/router.py``) and its
 metrics by ``server_address``, so every replica needs its own. Each server actor reserves a free TCP
@@ -665,7 +665,7 @@ class SglRolloutReplica(RolloutReplica):
         """Start the engine actor on the node of this replica's workers, on the GPUs they use; for a
         replica over several nodes (``tensor_model_parallel_size`` x ``data_parallel_size`` above the
         GPUs per node), one actor per node: the leader (:class:`VerlRolloutServer`, node rank 0, which
-        verl's clients and the trainer's adapter talk to) and a :class:`VerlNodeHost` on each other node,
+        verl's clients and the trainer's rollout talk to) and a :class:`VerlNodeHost` on each other node,
         placed where verl placed the replica's workers (worker ``k`` holds TP rank ``k``), ports from
         :func:`~sgl_rollout.engine.layout.replica_layout` (a block per replica rank).
 

@@ -1,6 +1,6 @@
 """The weight sync of verl's trainer workers to their replica's engine actor: both transports, as bucket rounds.
 
-Each trainer worker's :class:`~.verl_adapter.SglRolloutAdapter` sends through :class:`VerlWeightSync`:
+Each trainer worker's :class:`~.verl_rollout.SglRollout` sends through :class:`VerlWeightSync`:
 
 * the copy-plan fast path (SGLang's ``update_weights_from_tensor`` with this package's loader,
   :mod:`sgl_rollout.weight_sync.fast_path`): each worker writes its own TP rank's shard
@@ -18,9 +18,8 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
-import ray
 import torch
 
 from ..weight_sync import BucketStream
@@ -73,7 +72,7 @@ def _fast_send(sender: FastPathSender, items, validator) -> None:
 
 
 class VerlWeightSync:
-    """The weight-sync part of :class:`~.verl_adapter.SglRolloutAdapter` (a mixin: it uses the adapter's
+    """The weight-sync part of :class:`~.verl_rollout.SglRollout` (a mixin: it uses the rollout's
     TP group, engine actor, rollout config, ``_sync_path`` and ``base_syncs``)."""
 
     def _sync_manifest(self):
@@ -139,7 +138,7 @@ class VerlWeightSync:
         if not self._sync_path.fast(agree=self._all_gather):
             return None
         group = self._sync_group()
-        loader = GroupLoader(group, self.server if self.is_leader_rank else None, self.rollout_config)
+        loader = GroupLoader(group, (lambda: self.server) if self.is_leader_rank else None, self.rollout_config)
         self._fast = FastPathSender(loader, self._sync_manifest(), self.rollout_config.bucket_bytes,
                                     devices=[torch.device("cuda", torch.cuda.current_device())],
                                     tp_size=self.tp_size, tp_ranks=[self.tp_rank],
@@ -152,7 +151,7 @@ class VerlWeightSync:
 
     def _fence(self, global_steps: Optional[int]) -> Optional[ServerFence]:
         """The engine actor's sync fence on the TP leader (which calls the engine); None on the other ranks."""
-        return ServerFence(self.server, global_steps) if self.is_leader_rank else None
+        return ServerFence(lambda: self.server, global_steps) if self.is_leader_rank else None
 
     async def _send_fast(self, sender: FastPathSender, named, global_steps: Optional[int]) -> None:
         """One weight sync on the fast path (``engine_kwargs.sgl_rollout.fast_sync``).
@@ -258,7 +257,7 @@ class VerlWeightSync:
         """
         leader = self.is_leader_rank
         group = self._sync_group()
-        fence = ServerFence(self.server, global_steps, overlap=True) if leader else None
+        fence = ServerFence(lambda: self.server, global_steps, overlap=True) if leader else None
         stream, next_payload = self._payload_source(named)
         pending, step = None, ""
 

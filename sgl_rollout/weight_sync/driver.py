@@ -28,6 +28,7 @@ Outcomes that one rank decides (the leader's engine call) reach every rank throu
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -142,7 +143,8 @@ class ServerFence:
     prefix cache before the fence lifts.
 
     Args:
-        server: the actor handle.
+        server: the actor handle, or a function returning it (looked up when the fence rises, so a failed
+            lookup is the fence's refusal, met where every TP rank hears of it).
         global_steps: remembered by the engine with a complete sync (verl's ``global_steps``).
         overlap: awaiting face only: :meth:`begin` only sends the call, and the body awaits its answer
             with :meth:`confirm` where it first needs the fence (verl's bucketed sync reads its first
@@ -152,9 +154,16 @@ class ServerFence:
     """
 
     def __init__(self, server, global_steps: Optional[int] = None, overlap: bool = False):
-        self.server, self.global_steps, self.overlap = server, global_steps, overlap
+        self._server, self.global_steps, self.overlap = server, global_steps, overlap
         self._begin_call = None  # overlap: the begin call sent, not yet awaited
         self._up = False  # overlap: the engine answered the begin
+
+    @property
+    def server(self):
+        """The actor handle (looked up on first use when a function was given)."""
+        if _is_getter(self._server):
+            self._server = self._server()
+        return self._server
 
     @staticmethod
     def _step(call: Callable[[], Any]) -> Step:
@@ -203,6 +212,11 @@ class ServerFence:
 
 async def _raising(exc: BaseException):
     raise exc
+
+
+def _is_getter(server) -> bool:
+    """A function returning the actor (a lambda or method), not the actor handle itself."""
+    return inspect.isfunction(server) or inspect.ismethod(server)
 
 
 def _fenced(fence, body: Callable[[], Any], group: Optional[TPGroup],
@@ -300,7 +314,8 @@ class GroupLoader:
 
     Args:
         group: the replica's TP ranks.
-        server: the engine actor; None on every rank but the leader.
+        server: the engine actor, or a function returning it (looked up at the first call, inside the
+            round's failure rule); None on every rank but the leader.
         config: the engine's :class:`~sgl_rollout.config.RolloutConfig` (the sender checks its loader is
             registered).
     """
@@ -323,6 +338,8 @@ class GroupLoader:
         error = None
         if self.server is not None:
             try:
+                if _is_getter(self.server):
+                    self.server = self.server()
                 ray.get(self.server.update_weights_from_payloads.remote(everyone, fast_path=True))
             except Exception as exc:  # noqa: BLE001 - every TP rank must hear of it
                 error = RuntimeError(f"the engine failed a fast-path weight sync call: {_reason(exc)}")

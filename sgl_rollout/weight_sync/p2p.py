@@ -41,7 +41,7 @@ import torch
 from .. import trace
 from .fast_path import FastPathError, FastPathSender, SendProgram, SourceFeed, gather_bucket
 from .manifest import ParamSpec, SyncValidator, WeightManifest
-from .plan import Chunk, dtype_of, layout, manifest_entries
+from .plan import Chunk, dtype_of, layout
 from .protocol import SyncStats
 
 logger = logging.getLogger(__name__)

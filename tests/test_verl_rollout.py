@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from test_verl_config import compose, make_tiny_model  # noqa: E402
 from verl.checkpoint_engine.base import CheckpointEngineWorker  # noqa: E402
 
-from sgl_rollout.integrations.verl_adapter import SglRolloutAdapter  # noqa: E402
+from sgl_rollout.integrations.verl_rollout import SglRollout  # noqa: E402
 from sgl_rollout.integrations.verl_server import SglRolloutReplica, VerlRolloutServer  # noqa: E402
 from sgl_rollout.weight_sync.bucket import iter_buckets  # noqa: E402
 
@@ -247,7 +247,7 @@ def test_verl_sequence(manager, tiny_model, monkeypatch):
     torch.multiprocessing.set_sharing_strategy("file_system")
     replica, server = manager.get_replicas()[0], manager.server_handles[0]
     cfg = omega_conf_to_dataclass(manager.root.actor_rollout_ref.rollout)
-    adapter = SglRolloutAdapter(cfg, manager.root.actor_rollout_ref.model, device_mesh=None)
+    adapter = SglRollout(cfg, manager.root.actor_rollout_ref.model, device_mesh=None)
     assert adapter.sleep_level == 2 and adapter.tp_rank == 0 and adapter.is_leader_rank
     calls_before = len(ray.get(server.fake_calls.remote()))
 
@@ -451,7 +451,7 @@ def launch_lora_replica(rank, tiny_model, *overrides):
     replica.workers, replica.rollout_mode = [worker], RolloutMode.HYBRID
     asyncio.run(replica.launch_servers())
     server = replica.server_handle
-    adapter = SglRolloutAdapter(cfg, model_cfg, device_mesh=None, replica_rank=rank)
+    adapter = SglRollout(cfg, model_cfg, device_mesh=None, replica_rank=rank)
     return root, replica, server, adapter, worker
 
 
@@ -586,7 +586,7 @@ def test_verl_lora_adapter_refusals_never_reach_the_engine(cluster, tiny_model, 
 
     root = compose("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true",
                    model_path=tiny_model)
-    merged = SglRolloutAdapter(omega_conf_to_dataclass(root.actor_rollout_ref.rollout), root.actor_rollout_ref.model,
+    merged = SglRollout(omega_conf_to_dataclass(root.actor_rollout_ref.rollout), root.actor_rollout_ref.model,
                                device_mesh=None)
     assert not merged.rollout_config.lora_enabled and merged.sleep_level == 2
     with pytest.raises(NotImplementedError, match="lora.merge"):

@@ -1,7 +1,7 @@
-"""The trainer side of ``rollout.name=sglang`` under verl: the adapter in each trainer worker that
+"""The trainer side of ``rollout.name=sglang`` under verl: the rollout in each trainer worker that
 wakes, sleeps and sends the weights to its replica's engine actor (:mod:`.verl_server`).
 
-:class:`SglRolloutAdapter` is verl's ``BaseRollout`` (``verl/workers/rollout/base.py``). verl 0.9.1
+:class:`SglRollout` is verl's ``BaseRollout`` (``verl/workers/rollout/base.py``). verl 0.9.1
 builds it in two places:
 
 - in each hybrid trainer worker (``verl/workers/engine_workers.py``) as
@@ -17,9 +17,9 @@ builds it in two places:
   sync: consecutive global ranks, as verl lays replicas out.
 
 Weight syncs go on the copy-plan fast path by default (``engine_kwargs.sgl_rollout.fast_sync``), each
-trainer worker writing its own TP rank's shard (:meth:`SglRolloutAdapter._send_fast`,
-:class:`_FastPathRound`), or as SGLang's flattened buckets, pipelined
-(:meth:`SglRolloutAdapter._send_buckets`).
+trainer worker writing its own TP rank's shard (:meth:`SglRollout._send_fast`,
+:class:`~sgl_rollout.weight_sync.driver.GroupLoader`), or as SGLang's flattened buckets, pipelined
+(:meth:`SglRollout._send_buckets`).
 
 LoRA served as an adapter: verl's trainer calls ``update_weights(base, peft_config=,
 base_sync_done=False)`` while its own ``base_sync_done`` is False (a dummy load's first step) and
@@ -63,7 +63,7 @@ from .verl_weight_sync import VerlWeightSync, _aclose
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SglRolloutAdapter"]
+__all__ = ["SglRollout"]
 
 
 
@@ -87,7 +87,7 @@ def _renamed_sync(weights, rename):
         yield rename(name.replace(".base_layer.", ".")), tensor
 
 
-class SglRolloutAdapter(VerlWeightSync, BaseRollout):
+class SglRollout(VerlWeightSync, BaseRollout):
     """verl ``BaseRollout`` living in each trainer (or checkpoint-engine) worker; talks to the replica's
     engine actor.
 
