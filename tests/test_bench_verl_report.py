@@ -694,3 +694,5 @@ def test_the_step_own_part_is_one_line_summing_what_the_package_owns():
     assert verl_report.owned_seconds(only_update["ours"]) == (None, [])
     assert "sum of the medians of update:" in verl_report._owned_line(only_update, ["builtin", "ours"])[0]
     assert verl_report._owned_line({"ours": {}}, ["ours"]) == []
+    fully_async = {"metrics": {"timing_s/param_sync": {"median": 0.078}}}  # the asynchronous trainers' sync
+    assert verl_report.owned_seconds(fully_async) == (0.078, ["sync"])

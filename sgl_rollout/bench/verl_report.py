@@ -905,6 +905,8 @@ def _greedy_lines(entry: dict) -> List[str]:
 #: keeps its median (a verl metric, or a phase of :func:`gen_breakdown`).
 OWNED_PARTS = (
     ("update", ("metrics", UPDATE_KEY)),
+    ("sync", ("metrics", "timing_s/sync_rollout_weights")),  # one-step-off's weight sync
+    ("sync", ("metrics", "timing_s/param_sync")),  # fully-async's
     ("way in", ("gen_phases", "gen: first request -> last answer / client -> SGLang, k-th request")),
     ("way back", ("gen_phases", "gen: last answer -> replica.sleep / server.generate returned")),
     ("sleep", ("gen_phases", "gen: replica.sleep")),
@@ -914,7 +916,8 @@ OWNED_PARTS = (
 def owned_seconds(run: dict) -> Tuple[Optional[float], List[str]]:
     """The step's seconds this package owns on one side: the sum of the medians (over the steps after the
     first) of :data:`OWNED_PARTS` the run recorded: the weight update (``timing_s/update_weights``, the
-    wake's stages inside it), a request's way in (verl's client to SGLang, the k-th request), the answers'
+    wake's stages inside it; the asynchronous trainers' sync, ``timing_s/sync_rollout_weights`` or
+    ``timing_s/param_sync``), a request's way in (verl's client to SGLang, the k-th request), the answers'
     way back (the last answer to the server actor's return) and the replica's sleep.
 
     Returns:
@@ -924,7 +927,7 @@ def owned_seconds(run: dict) -> Tuple[Optional[float], List[str]]:
     for label, (where, key) in OWNED_PARTS:
         v = (run.get(where) or {}).get(key, {}).get("median")
         if v is not None:
-            total, found = total + v, found + [label]
+            total, found = total + v, found + ([label] if label not in found else [])
     return (total if found else None), found
 
 
