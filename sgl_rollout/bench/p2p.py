@@ -147,7 +147,8 @@ def sweep(sizes_gb: Sequence[float], repeats: int = 5, cuda: Optional[bool] = No
 
 def print_table(res: Dict) -> List[str]:
     """Print :func:`sweep`'s result; returns the lines printed."""
-    lines = [f"p2p wire (PeerGroup send/recv, GPU 0 -> GPU 1) vs plain copy, {res['device']}, median of {res['repeats']}",
+    lines = [f"p2p wire (PeerGroup send/recv, GPU 0 -> GPU 1) vs plain copy, {res['device']}, "
+             f"median of {res['repeats']}",
              f"{'GB':>8}{'p2p GB/s':>11}{'copy GB/s':>11}{'p2p/copy':>10}"]
     for r in res["rows"]:
         copy = r["copy_gb_per_s"]

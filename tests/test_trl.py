@@ -1,0 +1,151 @@
+"""TRL's real GRPOTrainer generating through sgl_rollout's TRL trainer (sgl_rollout.integrations.trl), on the
+CPU with an engine double: the sync sends the trainer's weights before each step's generation, the engine
+sleeps after it, the completions TRL scores are the engine's, and a bad call raises without killing the
+trainer."""
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from fakes import hf_sample  # noqa: E402
+
+from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir  # noqa: E402
+from sgl_rollout.engine import Generation  # noqa: E402
+from sgl_rollout.errors import SyncValidationError  # noqa: E402
+from sgl_rollout.integrations import trl as sgl_trl  # noqa: E402
+
+
+class WorkerDouble:
+    """RolloutWorker double: samples with its own Hugging Face copy of the model, refuses to generate while
+    asleep, and at each sync checks the tensors against the trainer's parameters at that moment, then
+    copies them in (``refuse``: raises the manifest check's error instead, before anything is copied)."""
+
+    def __init__(self, model_dir, refuse=False):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.params = dict(self.model.named_parameters())
+        self.trainer, self.refuse, self.asleep = None, refuse, False
+        self.events, self.synced, self.generated = [], [], []
+        self.gen = torch.Generator().manual_seed(0)
+
+    def update_weights(self, named_tensors):
+        named = list(named_tensors)
+        if self.refuse:
+            raise SyncValidationError(["model.layers.0.mlp.up_proj.weight: shape (8, 8) != (128, 64)"])
+        live = dict(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
+        assert [n for n, _ in named] == list(live) and all(torch.equal(t, live[n]) for n, t in named)
+        with torch.no_grad():
+            for n, t in named:
+                self.params[n].copy_(t)
+        self.synced.append({n: t.clone() for n, t in named})
+        self.asleep = False
+        self.events.append("sync")
+
+    def generate(self, input_ids, sampling_params, n=1, return_logprob=True):
+        assert not self.asleep, "generate while asleep"
+        assert n == 1 and sampling_params["max_new_tokens"] == 4
+        out = []
+        for prompt in input_ids:
+            ids, lps, finish = hf_sample(self.model, prompt, sampling_params, self.gen)
+            self.generated.append(ids)
+            out.append([Generation(ids, lps, finish)])
+        self.events.append("generate")
+        return out
+
+    def sleep(self):
+        assert not self.asleep
+        self.asleep = True
+        self.events.append("sleep")
+        return ["weights", "kv_cache"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_chat_model_dir(tmp_path_factory.mktemp("trl-model"), with_weights=True)
+
+
+def _trainer(model_dir, out_dir, worker, scored=None, **cfg):
+    from trl import GRPOConfig
+
+    def reward(completions, completion_ids, **kwargs):
+        if scored is not None:
+            scored.extend(list(c) for c in completion_ids)
+        return [float(len(c)) for c in completions]
+
+    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, max_steps=2, report_to="none", use_cpu=True, bf16=False,
+                      gradient_checkpointing=False, logging_steps=1, save_strategy="no", beta=0.0,
+                      learning_rate=1e-2, **cfg)
+    ds = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "5+2=", "9+1=", "3+3="]})
+    trainer = sgl_trl.SglGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=ds,
+                                     rollout=worker)
+    worker.trainer = trainer
+    return trainer
+
+
+def test_grpo_trains_two_steps_on_the_engine_with_the_trainers_weights(model_dir, tmp_path):
+    worker, scored = WorkerDouble(model_dir), []
+    trainer = _trainer(model_dir, tmp_path, worker, scored)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    # each step: the staged wake with the trainer's weights (checked equal at the call), the step's
+    # generation, then the engine sleeps for training
+    assert worker.events == ["sync", "generate", "sleep", "sync", "generate", "sleep"]
+    first, second = worker.synced
+    assert any(not torch.equal(first[n], second[n]) for n in first)  # step 1 trained: step 2 sent new weights
+    assert scored == worker.generated and len(scored) == 4  # TRL scored the engine's completions
+
+
+def test_a_refused_sync_raises_in_the_trainer_and_nothing_is_generated(model_dir, tmp_path):
+    worker = WorkerDouble(model_dir, refuse=True)
+    trainer = _trainer(model_dir, tmp_path, worker)
+    with pytest.raises(SyncValidationError, match="up_proj"):
+        trainer.train()
+    assert worker.events == []  # never generated on weights it does not hold, and nothing to put to sleep
+
+
+def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="use_vllm=True"):
+        _trainer(model_dir, tmp_path, WorkerDouble(model_dir), use_vllm=True)
+    from trl import GRPOConfig
+
+    with pytest.raises(ValueError, match="needs rollout="):
+        sgl_trl.SglGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False))
+    for bad in ("1.15.2", "1.17.0", "not-a-version"):
+        with pytest.raises(sgl_trl.UnsupportedTRLVersion) as err:
+            sgl_trl.check_trl_version(bad)
+        assert "\n" not in str(err.value) and "trl>=1.16,<1.17" in str(err.value)
+    assert sgl_trl.check_trl_version("1.16.0") == "1.16.0"
+    from types import SimpleNamespace
+
+    def built(ds=False, fsdp=False, procs=1):
+        return SimpleNamespace(is_deepspeed_enabled=ds, is_fsdp_enabled=fsdp,
+                               accelerator=SimpleNamespace(num_processes=procs))
+
+    assert sgl_trl._refusal_after_init(built()) is None
+    assert "FSDP" in sgl_trl._refusal_after_init(built(fsdp=True))
+    assert "2 processes" in sgl_trl._refusal_after_init(built(procs=2))
+
+
+def test_sampling_params_follow_trls_generation_settings():
+    from types import SimpleNamespace
+
+    t = SimpleNamespace(max_completion_length=16, temperature=0.7, top_p=0.9, top_k=None, min_p=None,
+                        repetition_penalty=1.1, eos_token_ids=[2, 7])
+    assert sgl_trl.sampling_params_of(t) == {"max_new_tokens": 16, "temperature": 0.7, "top_p": 0.9, "top_k": -1,
+                                             "min_p": 0.0, "repetition_penalty": 1.1, "stop_token_ids": [2, 7]}
+    t.top_k = 20
+    assert sgl_trl.sampling_params_of(t)["top_k"] == 20
+
+
+def test_the_extra_names_the_range_the_trainer_accepts():
+    import tomllib
+    from pathlib import Path
+
+    extra = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["trl"]
+    assert extra == [f"trl{sgl_trl.TRL_REQUIREMENT}"]
