@@ -19,8 +19,8 @@ from sgl_rollout.integrations import trl as sgl_trl  # noqa: E402
 
 class WorkerDouble:
     """RolloutWorker double: samples with its own Hugging Face copy of the model, refuses to generate while
-    asleep, and at each sync checks the tensors against the trainer's parameters at that moment, then
-    copies them in (``refuse``: raises the manifest check's error instead, before anything is copied)."""
+    asleep, and at each sync checks the tensors against the trainer's parameters at that moment (when it
+    knows the trainer), then copies them in (``refuse``: raises the manifest check's error instead, before anything is copied)."""
 
     def __init__(self, model_dir, refuse=False):
         from transformers import AutoModelForCausalLM
@@ -35,8 +35,9 @@ class WorkerDouble:
         named = list(named_tensors)
         if self.refuse:
             raise SyncValidationError(["model.layers.0.mlp.up_proj.weight: shape (8, 8) != (128, 64)"])
-        live = dict(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
-        assert [n for n, _ in named] == list(live) and all(torch.equal(t, live[n]) for n, t in named)
+        if self.trainer is not None:  # the trainer's parameters at this moment, bit for bit
+            live = dict(self.trainer.accelerator.unwrap_model(self.trainer.model).named_parameters())
+            assert [n for n, _ in named] == list(live) and all(torch.equal(t, live[n]) for n, t in named)
         with torch.no_grad():
             for n, t in named:
                 self.params[n].copy_(t)

@@ -1,4 +1,4 @@
-"""``python -m sgl_rollout.bench {verl,sync,lora,gather,p2p,scale,requests}``: see :mod:`sgl_rollout.bench`."""
+"""``python -m sgl_rollout.bench {verl,trl,sync,lora,gather,p2p,scale,requests}``: see :mod:`sgl_rollout.bench`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     """The benchmarks' command line."""
-    from . import p2p, requests, scale, verl_compare
+    from . import p2p, requests, scale, trl_compare, verl_compare
 
     p = argparse.ArgumentParser(prog="python -m sgl_rollout.bench",
                                 description="Benchmarks of sgl-rollout (GPU; verl compares in verl's own trainer).")
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verl", help="verl's built-in SGLang rollout vs sgl-rollout in verl's own GRPO run")
     verl_compare.add_arguments(v)
+    t = sub.add_parser("trl", help="TRL's GRPOTrainer generating on SGLang (sgl-rollout) vs TRL's transformers generation")
+    trl_compare.add_arguments(t)
     s = sub.add_parser("sync", help="time the weight sync methods into one engine")
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--mem-fraction", type=float, default=0.5)
@@ -46,6 +48,10 @@ def main(argv=None) -> int:
         from . import verl_compare
 
         return verl_compare.main(args)
+    if args.cmd == "trl":
+        from . import trl_compare
+
+        return trl_compare.main(args)
     if args.cmd == "p2p":
         from . import p2p
 

@@ -1,0 +1,202 @@
+"""``python -m sgl_rollout.bench trl``: the same GRPO run under TRL's ``GRPOTrainer``, generating on SGLang
+through :class:`sgl_rollout.integrations.trl.SglGRPOTrainer` (side ``ours``) and with TRL's own transformers
+generation (side ``transformers``, what TRL users without vLLM get).
+
+Both sides: the demo's model (SmolLM2-135M-Instruct unless ``--model``), the demo's word problems asked
+through the chat template (:mod:`sgl_rollout.workloads`) and its reward, the same seed, batch and
+completion length; each side in a process of its own, one after the other. Per training step the record
+(``<out>/<side>.jsonl``) holds: ``step_s`` (the step, generation included), ``gen_s`` (TRL's ``_generate``:
+templating, the engine's wake and sync on side ``ours``, generation, sleep), ``sync_s`` (side ``ours``:
+the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``peak_gb`` (torch's peak allocated
+device memory in the trainer's process during the step, GB = 1e9 bytes; the engine's own memory is in
+SGLang's processes and not in it) and ``reward`` (TRL's logged mean). ``comparison.json`` and the printed
+table give medians over the steps after the first, and ours / transformers.
+
+TRL's vLLM colocate mode (issue 48's side (b)) needs vLLM on the host and is not a side of this command
+yet. Ran on the CPU only (``tests/test_bench_trl.py``, the ``ours`` side on an engine double).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+#: The sides, in the order they run.
+SIDES = ("ours", "transformers")
+#: Per-step fields of a side's record, in the table's order.
+FIELDS = ("step_s", "gen_s", "sync_s", "peak_gb", "reward")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``trl`` subcommand's options."""
+    p.add_argument("--model", help="Hugging Face model folder (default: the demo's SmolLM2-135M-Instruct)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--sides", default=",".join(SIDES), help="which sides to run, in order")
+    p.add_argument("--batch", type=int, default=8, help="per-device train batch (completions per step)")
+    p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--max-completion-length", type=int, default=64)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="SGLang's share of the GPU (ours)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/trl-compare")
+
+
+def problems_dataset(n: int, seed: int):
+    """``n`` of the demo's word problems as a TRL conversational dataset: ``prompt`` (system and user
+    messages) and ``answer`` (int), the column the reward reads."""
+    import datasets
+
+    from ..workloads import chat_messages, make_problems
+
+    probs = make_problems(seed, n)
+    return datasets.Dataset.from_dict({"prompt": [chat_messages(p) for p in probs],
+                                       "answer": [int(p.answer) for p in probs]})
+
+
+def problem_reward(completions, answer, **kwargs) -> List[float]:
+    """The demo's reward (:func:`sgl_rollout.workloads.reward`) of each completion (conversational: the
+    assistant message's text) against its problem's ``answer``."""
+    from ..workloads import reward
+
+    texts = [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
+    return [reward(t, int(a)) for t, a in zip(texts, answer)]
+
+
+def _timed(trainer, name: str, into: Dict[str, float], key: str) -> None:
+    """Wrap ``trainer.<name>`` so that each call adds its seconds to ``into[key]``."""
+    inner = getattr(trainer, name)
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            into[key] = into.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(trainer, name, timed)
+
+
+def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
+             worker_factory: Optional[Callable[[str], object]] = None) -> List[dict]:
+    """Train ``args.steps`` steps on ``side`` in this process; returns (and writes ``<out>/<side>.jsonl``)
+    one record per step (the module docstring's fields).
+
+    Args:
+        worker_factory: side ``ours``: ``(model_dir) -> worker`` instead of a
+            :class:`~sgl_rollout.worker.RolloutWorker` on this process's GPU (tests: an engine double).
+
+    Raises:
+        ValueError: an unknown side.
+    """
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    if side not in SIDES:
+        raise ValueError(f"unknown side {side!r}; one of {SIDES}")
+    cuda = torch.cuda.is_available()
+    cfg = GRPOConfig(output_dir=str(out_dir / f"{side}-trainer"), per_device_train_batch_size=args.batch,
+                     num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+                     max_steps=args.steps, report_to="none", logging_steps=1, save_strategy="no", seed=args.seed,
+                     use_cpu=not cuda, bf16=cuda, gradient_checkpointing=False, beta=0.0)
+    data = problems_dataset(max(64, args.steps * args.batch), args.seed)
+    common = dict(model=model_dir, reward_funcs=problem_reward, args=cfg, train_dataset=data)
+    if side == "ours":
+        from ..config import RolloutConfig
+        from ..integrations.trl import SglGRPOTrainer
+
+        worker = worker_factory(model_dir) if worker_factory else None
+        rollout = worker or RolloutConfig(model_path=model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
+                                          enforce_eager=True)
+        trainer = SglGRPOTrainer(rollout=rollout, **common)
+    else:
+        trainer = GRPOTrainer(**common)
+    now: Dict[str, float] = {}
+    rows: List[dict] = []
+    _timed(trainer, "_generate", now, "gen_s")
+    if side == "ours":
+        _timed(trainer.sgl.worker, "update_weights", now, "sync_s")
+
+    class Record(TrainerCallback):
+        def on_step_begin(self, *_a, **_k):
+            now.clear()
+            now["t0"] = time.perf_counter()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_log(self, _args, state, _control, logs=None, **_k):
+            if logs and "reward" in logs and rows and rows[-1]["step"] == state.global_step:
+                rows[-1]["reward"] = float(logs["reward"])
+
+        def on_step_end(self, _args, state, *_a, **_k):
+            rows.append({"step": state.global_step, "step_s": time.perf_counter() - now.get("t0", 0.0),
+                         "gen_s": now.get("gen_s", 0.0), "sync_s": now.get("sync_s"),
+                         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None, "reward": None})
+
+    trainer.add_callback(Record())
+    trainer.train()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{side}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def summarize(rows_by_side: Dict[str, List[dict]]) -> Dict[str, Dict[str, Optional[float]]]:
+    """Median of each field over the steps after the first, per side (None where never recorded)."""
+    out = {}
+    for side, rows in rows_by_side.items():
+        later = rows[1:] or rows
+        out[side] = {f: (statistics.median(v) if (v := [r[f] for r in later if r.get(f) is not None]) else None)
+                     for f in FIELDS}
+    return out
+
+
+def table(summary: Dict[str, Dict[str, Optional[float]]]) -> List[str]:
+    """The printed comparison: one row per field, a column per side, and ours / transformers."""
+    sides = [s for s in SIDES if s in summary]
+    lines = ["| per step (median after the first) | " + " | ".join(sides) + " | ours / transformers |",
+             "| --- | " + " | ".join("---:" for _ in sides) + " | ---: |"]
+    for f in FIELDS:
+        vals = [summary[s][f] for s in sides]
+        cells = " | ".join("n/a" if v is None else f"{v:.3f}" for v in vals)
+        o, t = summary.get("ours", {}).get(f), summary.get("transformers", {}).get(f)
+        lines.append(f"| {f} | {cells} | " + (f"{o / t:.2f}x" if o is not None and t else "n/a") + " |")
+    return lines
+
+
+def child(side: str, args_json: str, model_dir: str, out_dir: str) -> None:
+    """Entry of a side's process (:func:`main` starts it)."""
+    run_side(side, argparse.Namespace(**json.loads(args_json)), model_dir, Path(out_dir))
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run each side in a process of its own, then print and write ``comparison.json``; exit 1 when a side
+    failed (its log is ``<out>/<side>.log``)."""
+    from ..workloads import resolve_model
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = str(resolve_model(args.model, None))
+    rows, failed = {}, []
+    for side in [s for s in args.sides.split(",") if s]:
+        code = ("import sys; from sgl_rollout.bench.trl_compare import child; "
+                "child(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4])")
+        with open(out / f"{side}.log", "w", encoding="utf-8") as log:
+            rc = subprocess.run([sys.executable, "-c", code, side, json.dumps(vars(args)), model_dir, str(out)],
+                                stdout=log, stderr=subprocess.STDOUT).returncode
+        path = out / f"{side}.jsonl"
+        if rc != 0 or not path.is_file():
+            failed.append(side)
+            continue
+        rows[side] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    summary = summarize(rows)
+    (out / "comparison.json").write_text(json.dumps({"args": vars(args), "model": model_dir, "summary": summary,
+                                                     "failed": failed}, indent=1) + "\n")
+    print("\n".join(table(summary)) if summary else "no side finished")
+    for side in failed:
+        print(f"bench trl: side {side} failed (log {out / (side + '.log')})")
+    return 1 if failed else 0

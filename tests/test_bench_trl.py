@@ -1,0 +1,70 @@
+"""``python -m sgl_rollout.bench trl`` on the CPU: both sides train under TRL's real GRPOTrainer (side ``ours``
+on an engine double), every step is recorded, and the comparison is summarized and printed."""
+
+import argparse
+import json
+
+import pytest
+
+pytest.importorskip("trl")
+
+from test_trl import WorkerDouble  # noqa: E402
+
+from sgl_rollout.bench import trl_compare  # noqa: E402
+from sgl_rollout.bench.__main__ import build_parser  # noqa: E402
+from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir  # noqa: E402
+
+
+def _args(**kw):
+    args = build_parser().parse_args(["trl", "--steps", "2", "--batch", "2", "--num-generations", "2",
+                                      "--max-completion-length", "4"])
+    return argparse.Namespace(**{**vars(args), **kw})
+
+
+def test_both_sides_train_and_every_step_is_recorded(tmp_path):
+    model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)
+    args = _args(out=str(tmp_path / "out"))
+    workers = []
+
+    def factory(path):
+        workers.append(WorkerDouble(path))
+        return workers[-1]
+
+    ours = trl_compare.run_side("ours", args, model_dir, tmp_path / "out", worker_factory=factory)
+    theirs = trl_compare.run_side("transformers", args, model_dir, tmp_path / "out")
+    assert [r["step"] for r in ours] == [1, 2] and [r["step"] for r in theirs] == [1, 2]
+    assert all(r["gen_s"] > 0 and r["step_s"] >= r["gen_s"] and r["sync_s"] is not None for r in ours)
+    assert all(r["sync_s"] is None and r["reward"] is not None for r in theirs)
+    assert workers[0].events == ["sync", "generate", "sleep", "sync", "generate", "sleep"]
+    saved = [json.loads(line) for line in (tmp_path / "out" / "ours.jsonl").read_text().splitlines()]
+    assert saved == ours
+    summary = trl_compare.summarize({"ours": ours, "transformers": theirs})
+    assert summary["ours"]["gen_s"] == ours[1]["gen_s"] and summary["transformers"]["sync_s"] is None
+    lines = trl_compare.table(summary)
+    assert lines[0].startswith("| per step") and any(line.startswith("| gen_s |") and "x |" in line for line in lines)
+
+
+def test_main_runs_each_side_in_its_own_process_and_reports_a_failed_one(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    class Done:
+        def __init__(self, rc):
+            self.returncode = rc
+
+    def fake_run(cmd, stdout=None, stderr=None):
+        side = cmd[3]
+        calls.append(side)
+        if side == "ours":
+            rows = [{"step": s, "step_s": 2.0, "gen_s": 1.0, "sync_s": 0.1, "peak_gb": None, "reward": 0.5}
+                    for s in (1, 2)]
+            (tmp_path / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            return Done(0)
+        return Done(1)
+
+    monkeypatch.setattr(trl_compare.subprocess, "run", fake_run)
+    monkeypatch.setattr("sgl_rollout.workloads.resolve_model", lambda model, gguf: tmp_path / "m")
+    assert trl_compare.main(_args(out=str(tmp_path))) == 1
+    assert calls == ["ours", "transformers"]
+    got = json.loads((tmp_path / "comparison.json").read_text())
+    assert got["failed"] == ["transformers"] and got["summary"]["ours"]["sync_s"] == 0.1
+    assert "side transformers failed" in capsys.readouterr().out
