@@ -108,7 +108,7 @@ def test_a_refused_sync_raises_in_the_trainer_and_nothing_is_generated(model_dir
     assert worker.events == []  # never generated on weights it does not hold, and nothing to put to sleep
 
 
-def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_path):
+def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="use_vllm=True"):
         _trainer(model_dir, tmp_path, WorkerDouble(model_dir), use_vllm=True)
     from trl import GRPOConfig
@@ -121,6 +121,13 @@ def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_p
             sgl_trl.check_trl_version(bad)
         assert "\n" not in str(err.value) and "trl>=1.16,<1.17" in str(err.value)
     assert sgl_trl.check_trl_version("1.16.0") == "1.16.0"
+    from importlib import metadata
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda dist: "1.17.1" if dist == "trl" else real(dist))
+    monkeypatch.delattr(sgl_trl, "SglGRPOTrainer", raising=False)  # made again at the next import
+    with pytest.raises(sgl_trl.UnsupportedTRLVersion, match="trl 1.17.1 is outside"):
+        sgl_trl.SglGRPOTrainer  # noqa: B018 - the import a script makes
     from types import SimpleNamespace
 
     def built(ds=False, fsdp=False, procs=1):

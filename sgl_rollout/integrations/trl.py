@@ -235,7 +235,10 @@ def _make_class():
 
 
 def __getattr__(name: str):
+    """``SglGRPOTrainer`` is made on first import, after :func:`check_trl_version` (a missing or unsupported
+    TRL is refused there, in one line, before TRL's own import can fail another way)."""
     if name == "SglGRPOTrainer":
+        check_trl_version()
         cls = _make_class()
         globals()[name] = cls
         return cls
