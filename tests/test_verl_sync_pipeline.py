@@ -151,3 +151,14 @@ def test_an_engine_actor_that_cannot_be_reached_is_reported_not_raised_before_th
     with pytest.raises(ValueError, match="Failed to look up actor"):
         asyncio.run(a._send_buckets(weights(events), global_steps=None))
     assert ("read", 0) in events  # the round ran (every rank reads its first bucket), then the error
+
+
+def test_a_failed_sync_still_reads_verls_weights_to_the_end():
+    """verl's generator gathers each tensor over every trainer rank: a rank that stopped reading at the
+    failure would leave the other ranks (its TP peers, other replicas) waiting in that collective."""
+    events = []
+    a = adapter(Engine(events, refuse={("update_weights_from_payloads", 0): "busy"}), bucket_bytes=1024)
+    with pytest.raises(RuntimeError, match="busy"):
+        asyncio.run(a._send_buckets(weights(events, n=8), global_steps=3))
+    assert [e for e in events if e[0] == "read"] == [("read", i) for i in range(8)]
+    assert events.index(("read", 7)) < events.index(("submit", "finish_weight_sync", 0))  # before the fence lifts

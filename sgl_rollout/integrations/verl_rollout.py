@@ -59,7 +59,7 @@ from .verl_config import (
 )
 from .verl_checkpoint_engine import WIRE_FORMAT as P2P_WIRE_FORMAT
 from .verl_server import server_name
-from .verl_weight_sync import VerlWeightSync, _aclose
+from .verl_weight_sync import VerlWeightSync, _drain
 
 logger = logging.getLogger(__name__)
 
@@ -366,14 +366,3 @@ async def _collect(weights) -> list:
     if hasattr(weights, "__aiter__"):
         return [item async for item in weights]
     return list(weights)
-
-
-async def _drain(weights) -> None:
-    """Read a sync or async iterable to its end, keeping nothing; then close it."""
-    if hasattr(weights, "__aiter__"):
-        async for _ in weights:
-            pass
-        await _aclose(weights)
-    else:
-        for _ in weights:
-            pass

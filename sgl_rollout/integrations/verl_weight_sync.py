@@ -53,6 +53,35 @@ class _AsyncToSyncIterator:
 
 
 
+async def _drain(weights) -> None:
+    """Read a sync or async iterable to its end, keeping nothing; then close it."""
+    if hasattr(weights, "__aiter__"):
+        async for _ in weights:
+            pass
+        await _aclose(weights)
+    else:
+        for _ in weights:
+            pass
+
+
+async def _end_reading(named, ok: bool) -> None:
+    """After a sync, close verl's weights generator; after a failed one, read it to its end first.
+
+    verl's generators gather each tensor over every trainer rank (FSDP's ``full_tensor`` in
+    ``get_per_tensor_param``, ``verl/workers/engine_workers.py``): a rank that stopped reading early would
+    leave the others (its TP peers, and the other replicas' ranks, which sync normally) waiting in that
+    collective. Every rank reads every item, so the gathers pair up whatever failed where. A read that
+    fails ends the draining (logged); never raises."""
+    if named is None:
+        return
+    if not ok:
+        try:
+            await _drain(named)
+        except Exception:  # noqa: BLE001 - the sync's own error is the one to raise
+            logger.warning("reading the rest of verl's weights after a failed sync failed", exc_info=True)
+    await _aclose(named)
+
+
 async def _aclose(named) -> None:
     """Close a (possibly half-consumed) async generator; never raises."""
     if hasattr(named, "aclose"):
@@ -219,15 +248,15 @@ class VerlWeightSync:
         """A fast-path sync whose body is ``await work()``, run by the weight-sync driver
         (:func:`~sgl_rollout.weight_sync.driver.async_sync_fenced`: the leader's fence, the closing round
         over the TP ranks). A failed sync resets the sender's plan (the engine may have restarted) but
-        keeps its key; verl's weights generator is closed on every exit."""
+        keeps its key; verl's weights generator is read to its end after a failure and closed on every
+        exit (:func:`_end_reading`)."""
 
         async def on_end(ok: bool) -> None:
             if ok:
                 self.base_syncs += 1
             else:
                 sender.reset(new_key=False)
-            if named is not None:
-                await _aclose(named)
+            await _end_reading(named, ok)
 
         await async_sync_fenced(self._fence(global_steps), work, group=self._sync_group(), on_end=on_end)
 
@@ -298,6 +327,6 @@ class VerlWeightSync:
             stream.release()
             if ok:
                 self.base_syncs += 1
-            await _aclose(named)
+            await _end_reading(named, ok)
 
         await async_sync_fenced(fence, lambda: async_bucket_rounds(next_round, load), group=group, on_end=on_end)
