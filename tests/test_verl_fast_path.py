@@ -83,7 +83,6 @@ def rank_adapters(server, group, tp_size, manifest, bucket_bytes):
         a._sync_path = SyncPath(config, "/none")
         a._sync_path.manifest = manifest
         a._all_gather = (lambda rank: lambda item: group.all_gather(rank, item))(r)
-        a._broadcast = (lambda rank: lambda item: group.all_gather(rank, item)[0])(r)
         group_r = a._sync_group()
         loader = GroupLoader(group_r, server if r == 0 else None, config)
         a._fast = FastPathSender(loader, manifest, bucket_bytes, devices=["cpu"], tp_size=tp_size, tp_ranks=[r],

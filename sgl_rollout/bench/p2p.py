@@ -16,7 +16,6 @@ Without CUDA the two processes use gloo on the CPU and there is no copy column: 
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import time
 from typing import Dict, List, Optional, Sequence
@@ -31,12 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="transfer sizes in GB (1e9 bytes); default 0.1 to 16")
     p.add_argument("--repeats", type=int, default=5, help="timed transfers per size, after one warm-up")
     p.add_argument("--out", default="bench_p2p.json")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, cuda: bool, out) -> None:
@@ -127,7 +120,9 @@ def sweep(sizes_gb: Sequence[float], repeats: int = 5, cuda: Optional[bool] = No
         raise RuntimeError("bench p2p needs two visible GPUs")
     sizes = [max(1, int(gb * 1e9)) for gb in sizes_gb]
     ctx = mp.get_context("spawn")
-    out, port = ctx.Queue(), _free_port()
+    from torch.distributed.elastic.utils.distributed import get_free_port
+
+    out, port = ctx.Queue(), get_free_port()
     procs = [ctx.Process(target=_peer, args=(r, port, sizes, repeats, cuda, out)) for r in (0, 1)]
     for p in procs:
         p.start()

@@ -183,17 +183,6 @@ class SglRollout(VerlWeightSync, BaseRollout):
                            self.tp_rank, rank % self.tp_size)
         self.tp_rank, self._tp_group = rank % self.tp_size, mine
 
-    def _leader_global_rank(self) -> int:
-        return torch.distributed.get_global_rank(self._tp_group, 0)
-
-    def _gather(self, payload) -> Optional[List[Any]]:
-        """Every TP rank's object at the leader (None elsewhere)."""
-        if self._tp_group is None or self.tp_size == 1:
-            return [payload]
-        out = [None] * self.tp_size if self.is_leader_rank else None
-        torch.distributed.gather_object(payload, out, dst=self._leader_global_rank(), group=self._tp_group)
-        return out
-
     def _all_gather(self, item) -> List[Any]:
         """Every TP rank's ``item``, in TP rank order, on every rank."""
         if self._tp_group is None or self.tp_size == 1:
@@ -201,14 +190,6 @@ class SglRollout(VerlWeightSync, BaseRollout):
         out = [None] * self.tp_size
         torch.distributed.all_gather_object(out, item, group=self._tp_group)
         return out
-
-    def _broadcast(self, status):
-        """The leader's ``status`` on every TP rank."""
-        if self._tp_group is None or self.tp_size == 1:
-            return status
-        box = [status]
-        torch.distributed.broadcast_object_list(box, src=self._leader_global_rank(), group=self._tp_group)
-        return box[0]
 
     # -------------------------------------------------------------- memory
     @trace.traced("rollout.resume", fields=("tags",))

@@ -161,8 +161,7 @@ class ServerFence:
     @property
     def server(self):
         """The actor handle (looked up on first use when a function was given)."""
-        if _is_getter(self._server):
-            self._server = self._server()
+        self._server = _resolved(self._server)
         return self._server
 
     @staticmethod
@@ -214,9 +213,10 @@ async def _raising(exc: BaseException):
     raise exc
 
 
-def _is_getter(server) -> bool:
-    """A function returning the actor (a lambda or method), not the actor handle itself."""
-    return inspect.isfunction(server) or inspect.ismethod(server)
+def _resolved(server):
+    """The actor handle: ``server`` itself, or what it returns when it is a function (a lambda or method)
+    looking the actor up."""
+    return server() if inspect.isfunction(server) or inspect.ismethod(server) else server
 
 
 def _fenced(fence, body: Callable[[], Any], group: Optional[TPGroup],
@@ -338,8 +338,7 @@ class GroupLoader:
         error = None
         if self.server is not None:
             try:
-                if _is_getter(self.server):
-                    self.server = self.server()
+                self.server = _resolved(self.server)
                 ray.get(self.server.update_weights_from_payloads.remote(everyone, fast_path=True))
             except Exception as exc:  # noqa: BLE001 - every TP rank must hear of it
                 error = RuntimeError(f"the engine failed a fast-path weight sync call: {_reason(exc)}")
