@@ -131,6 +131,17 @@ def _verl() -> str:
             f"{'registered' if backend == 'True' else 'not registered'}")
 
 
+def _verl_with_trl() -> Result:
+    """Whether the installed TRL breaks verl's FSDP workers (:func:`~.integrations.verl.trl_conflict`);
+    only information when verl is absent."""
+    if importlib.util.find_spec("verl") is None:
+        return "verl not installed", None
+    from .integrations.verl import trl_conflict
+
+    why = trl_conflict()
+    return (why or "no conflict (trl absent, or it still has what verl imports)"), None
+
+
 def _sglang_plugin() -> str:
     """Whether SGLang's schedulers will load this package's plugins (``patches/qwen2_5_vl_vision_rope.py``,
     needed for Qwen2.5-VL images with transformers >= 5.9; ``patches/qwen_vl_weight_names.py``, needed by
@@ -167,6 +178,7 @@ CHECKS: List[Tuple[str, Callable[[], Result], Optional[str]]] = [
     ("SGLang plugin", _info(lambda: _sglang_plugin()), None),
     ("GPUs", lambda: _gpus(), "a CUDA GPU"),
     ('verl resolves "sglang" to', _info(lambda: _verl()), None),
+    ("verl with trl", lambda: _verl_with_trl(), None),
 ]
 
 

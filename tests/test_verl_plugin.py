@@ -93,3 +93,41 @@ def test_doctor_reports_every_check():
         assert any(line.startswith(label) for line in out.stdout.splitlines()), label
     assert "SGLang check enabled in engine: False" in out.stdout
     assert "sgl_rollout.integrations.verl_rollout.SglRollout (this package" in out.stdout
+
+
+def test_trl_conflict_is_what_verl_hits_with_the_installed_trl():
+    """TRL 1.16 (this package's ``trl`` extra) lacks the class verl 0.9.1's FSDP model build imports
+    whenever trl is importable: the check says so, and both of its premises are checked for real here."""
+    pytest.importorskip("trl")
+    import importlib.util
+
+    from sgl_rollout.integrations.verl import VERL_TRL_CLASS, trl_conflict
+
+    spec = importlib.util.find_spec("verl.models.transformers.monkey_patch")
+    source = open(spec.origin, encoding="utf-8").read()
+    assert f"from trl import {VERL_TRL_CLASS}" in source and "is_trl_available()" in source
+    import trl
+
+    assert not hasattr(trl, VERL_TRL_CLASS) and importlib.util.find_spec("trl.experimental.ppo") is None
+    why = trl_conflict()
+    assert why is not None and VERL_TRL_CLASS in why and trl.__version__ in why
+
+
+def test_trl_conflict_is_none_for_a_trl_that_has_the_class(monkeypatch, tmp_path):
+    import importlib.metadata
+
+    from sgl_rollout.integrations import verl as plugin
+
+    (tmp_path / "trl").mkdir()
+    (tmp_path / "trl" / "__init__.py").write_text("from .models import AutoModelForCausalLMWithValueHead\n")
+
+    class Dist:
+        version, files = "0.11.0", ["trl/__init__.py"]
+
+        def locate_file(self, path):
+            return tmp_path / path
+
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: Dist())
+    assert plugin.trl_conflict() is None
+    (tmp_path / "trl" / "__init__.py").write_text("__version__ = '1.16.0'\n")
+    assert "0.11.0" in plugin.trl_conflict()

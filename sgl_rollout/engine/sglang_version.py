@@ -31,8 +31,8 @@ GPU_TRANSFORMERS: Dict[str, Dict[str, str]] = {
     "0.5.10.post1": {"5.17.0": "the GPU suite"},
     "0.5.12": {
         "5.9.0": "the GPU suite",
-        "5.6.0": ("test_engine_gpu, test_fast_path_gpu (TP=1) and test_vlm_gpu's images and video (2026-11-28); "
-                  "its vision-tower sync refused 5.6.0's weight names then, fixed since on CPU, not rerun"),
+        "5.6.0": ("test_engine_gpu, test_fast_path_gpu (TP=1) and test_vlm_gpu, its vision-tower sync included "
+                  "(2026-11-28, after the fix for 5.6.0's weight-name renaming)"),
     },
 }
 #: The releases an engine starts under: exactly :data:`TESTED` (the same string as pyproject.toml's

@@ -12,7 +12,9 @@ Overriding verl's built-in "sglang" is deliberate: the user's config keeps ``rol
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
+from typing import Optional
 
 logger = logging.getLogger("sgl_rollout")
 
@@ -26,6 +28,38 @@ def _load_replica():
     from .verl_server import SglRolloutReplica
 
     return SglRolloutReplica
+
+
+#: The TRL class verl 0.9.x imports whenever ``trl`` is importable (``apply_monkey_patch`` in
+#: ``verl/models/transformers/monkey_patch.py``, from ``trl.experimental.ppo``, else from ``trl``).
+VERL_TRL_CLASS = "AutoModelForCausalLMWithValueHead"
+
+
+def trl_conflict() -> Optional[str]:
+    """Why the installed TRL breaks verl's FSDP workers, or None.
+
+    verl 0.9.1 builds every FSDP actor and reference model through ``apply_monkey_patch``, which imports
+    :data:`VERL_TRL_CLASS` whenever ``trl`` can be found. TRL 1.x no longer has it (neither in
+    ``trl/__init__.py`` nor as ``trl/experimental/ppo``), so with TRL 1.16 (this package's ``trl`` extra)
+    in the same environment both verl's built-in rollout and this one die at the first model build with
+    an ImportError (seen on 2×H200, 2026-11-28). Read from TRL's installed files, without importing it.
+    """
+    try:
+        dist = importlib.metadata.distribution("trl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    files = {str(f) for f in dist.files or ()}
+    if "trl/experimental/ppo/__init__.py" in files:
+        return None
+    try:
+        init = dist.locate_file("trl/__init__.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    if VERL_TRL_CLASS in init:
+        return None
+    return (f"trl {dist.version} is installed and has no {VERL_TRL_CLASS}, which verl imports whenever trl "
+            "is importable (verl/models/transformers/monkey_patch.py): verl's FSDP workers will fail with an "
+            "ImportError. Run verl and TRL in separate environments (pip uninstall trl here).")
 
 
 def register() -> bool:
@@ -51,6 +85,9 @@ def register() -> bool:
     except Exception as e:  # noqa: BLE001 - the rollout is registered; only this backend is missing
         logger.warning("sgl-rollout could not register checkpoint_engine.backend=sgl_rollout with verl: %r", e,
                        exc_info=True)
+    conflict = trl_conflict()
+    if conflict:
+        logger.warning("sgl-rollout: %s", conflict)
     logger.info("rollout.name=%s is answered by sgl-rollout (%s); VERL_USE_EXTERNAL_PLUGINS=none restores "
                 "verl's built-in", NAME, ROLLOUT_CLASS)
     return True

@@ -179,7 +179,17 @@ def _ctrl_c_after(seconds):
     return timer
 
 
-def test_ctrl_c_during_sleep_and_sync_recovers(tiny):
+@pytest.fixture
+def sigint_raises():
+    """Python's own Ctrl-C handler for the test. A job a non-interactive shell starts in the background
+    (``cmd &``) begins with SIGINT ignored (POSIX), and Python then installs no handler: the timer's
+    SIGINT would do nothing (2026-11-28, a queued run: "DID NOT RAISE KeyboardInterrupt")."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_during_sleep_and_sync_recovers(tiny, sigint_raises):
     worker, model = tiny
     if not worker.engine.alive:  # an earlier test left it dead: the Ctrl-C must not land outside a call
         worker.restart()
