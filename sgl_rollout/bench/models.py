@@ -1,4 +1,5 @@
-"""Model shapes and model folders for the benchmarks and the GPU tests (Llama-shaped, random weights)."""
+"""Model shapes and model folders for the benchmarks and the GPU tests (random weights): Llama-shaped, and a
+tiny Qwen3-MoE (:data:`QWEN3_MOE_TINY`, :func:`make_qwen3_moe_dir`) for mixture-of-experts syncs."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ SMOLLM2_135M = dict(
 LLAMA_TINY = dict(
     hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
     num_key_value_heads=4, vocab_size=1024, max_position_embeddings=1024,
+)
+
+# A tiny Qwen3-MoE for the fast path's mixture-of-experts tests (issue 47, goal 4): 8 experts, 2 active, every
+# layer sparse (SGLang's Qwen3MoeDecoderLayer makes every layer a Qwen3MoeSparseMoeBlock,
+# ``sglang/srt/models/qwen3_moe.py``); 8 query and 4 key/value heads and a per-rank expert width of 64 at TP=2;
+# a vocabulary that is not a multiple of 64 (SGLang pads it).
+QWEN3_MOE_TINY = dict(
+    hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    vocab_size=1000, max_position_embeddings=512,
 )
 
 
@@ -62,6 +73,114 @@ def make_llama_dir(path: str, shape: Dict, dtype: torch.dtype = torch.bfloat16, 
     model = model.to("cpu")
     model.save_pretrained(path, safe_serialization=True)
     return model
+
+
+def make_qwen3_moe_dir(path: str, shape: Dict = QWEN3_MOE_TINY, dtype: torch.dtype = torch.bfloat16,
+                       seed: int = 0, init_std: float = 0.15):
+    """Write a Qwen3-MoE Hugging Face model folder of ``shape`` with random weights (config and safetensors).
+
+    Every matrix (experts and router included) is drawn from N(0, ``init_std``) by transformers' own init
+    (``initializer_range``); norms are ones. The checkpoint holds one tensor per expert and projection,
+    ``model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`` (``(moe_intermediate_size, hidden_size)``,
+    the same, ``(hidden_size, moe_intermediate_size)``), as Qwen3-30B-A3B's does and as SGLang's
+    ``Qwen3MoeForCausalLM.load_weights`` reads it, also where transformers >= 5 holds the experts fused in
+    memory (:func:`qwen3_moe_checkpoint_tensors`).
+
+    Args:
+        path: folder to write.
+        shape: ``Qwen3MoeConfig`` fields (:data:`QWEN3_MOE_TINY`); ``tie_word_embeddings`` optional.
+        dtype: ``torch_dtype`` of the config and of the saved weights.
+        seed, init_std: random init of the matrices.
+
+    Returns:
+        the ``Qwen3MoeForCausalLM`` (``dtype``, on CPU) whose weights were saved.
+    """
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    fields = {k: v for k, v in shape.items() if k != "tie_word_embeddings"}
+    cfg = Qwen3MoeConfig(**fields, architectures=["Qwen3MoeForCausalLM"],
+                         tie_word_embeddings=bool(shape.get("tie_word_embeddings")), initializer_range=init_std,
+                         torch_dtype=dtype, bos_token_id=1, eos_token_id=2, decoder_sparse_step=1, mlp_only_layers=[])
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg).to(dtype)
+    model.save_pretrained(path, safe_serialization=True)
+    return model
+
+
+def qwen3_moe_checkpoint_tensors(model) -> List[Tuple[str, torch.Tensor]]:
+    """A Qwen3-MoE's ``named_parameters()`` under its checkpoint names, as SGLang's loader and the weight
+    manifest name them: views, no copies, on the model's device, in the model's order.
+
+    transformers >= 5 holds each layer's experts fused, ``mlp.experts.gate_up_proj`` ``(E, 2*I, H)`` (gate
+    rows first) and ``mlp.experts.down_proj`` ``(E, H, I)`` (``transformers/models/qwen3_moe/modeling_qwen3_moe.py``,
+    ``Qwen3MoeExperts``; ``conversion_mapping.py`` merges the checkpoint's per-expert tensors into them on
+    load and splits them on save); each becomes ``mlp.experts.E.gate_proj.weight`` ``(I, H)``, ``up_proj``
+    ``(I, H)`` and ``down_proj`` ``(H, I)``. Per-expert names (transformers 4) pass unchanged.
+
+    Raises:
+        ValueError: a fused expert tensor whose shape is not ``(E, 2*I, H)`` / ``(E, H, I)`` of the config.
+    """
+    cfg = model.config
+    e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    out: List[Tuple[str, torch.Tensor]] = []
+    for name, p in model.named_parameters():
+        t = p.detach()
+        base, _, last = name.rpartition(".")
+        if last == "gate_up_proj" and base.endswith("mlp.experts"):
+            if tuple(t.shape) != (e, 2 * i, h):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {(e, 2 * i, h)}")
+            for x in range(e):
+                out += [(f"{base}.{x}.gate_proj.weight", t[x, :i]), (f"{base}.{x}.up_proj.weight", t[x, i:])]
+        elif last == "down_proj" and base.endswith("mlp.experts"):
+            if tuple(t.shape) != (e, h, i):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {(e, h, i)}")
+            out += [(f"{base}.{x}.down_proj.weight", t[x]) for x in range(e)]
+        else:
+            out.append((name, t))
+    return out
+
+
+def route_by_token(model, spike: float = 4.0, step: float = 1.0) -> None:
+    """Make a Qwen3-MoE's routing a function of the token id, with wide margins, in place (random elsewhere).
+
+    With random routers, the second and third of 8 router logits often lie within bf16 rounding of each
+    other, and SGLang and Hugging Face (different attention and norm kernels) then pick different experts:
+    a whole expert's output apart, not a near-tie in the logits. Here residual dims ``0..E-1`` carry
+    ``spike`` at dim ``token id mod E`` (the embedding) and nothing writes them later (those rows of every
+    ``o_proj`` and expert ``down_proj`` are zero), and each router reads only them: layer ``L``'s logit of
+    expert ``e`` for token ``t`` is ``step * (E - 1 - (e - t - L) mod E) * x``, ``x`` the normalized spike
+    (post-attention norm). Experts ``(t + L) mod E`` and ``(t + L + 1) mod E`` are chosen (their reverse
+    order where the norm weight is negative) by a margin of ``step * |x|``: the logits are one product each,
+    so kernels that scale ``x`` a little differently still rank them alike. Every expert serves some token.
+
+    Args:
+        model: a ``Qwen3MoeForCausalLM`` (fused or per-expert experts: :func:`qwen3_moe_checkpoint_tensors`).
+        spike: the embedding's value at the token's routing dim.
+        step: the router's weight step between consecutive experts' ranks.
+
+    Raises:
+        ValueError: ``hidden_size`` is smaller than ``num_experts``.
+    """
+    e_count = model.config.num_experts
+    if model.config.hidden_size < e_count:
+        raise ValueError(f"hidden_size {model.config.hidden_size} < num_experts {e_count}")
+    with torch.no_grad():
+        for name, t in qwen3_moe_checkpoint_tensors(model):
+            writes_residual = name.endswith("self_attn.o_proj.weight") or (
+                ".mlp.experts." in name and name.endswith("down_proj.weight"))
+            if writes_residual:
+                t[:e_count].zero_()
+            elif name.endswith("mlp.gate.weight"):
+                layer = int(name.split(".")[2])
+                e = torch.arange(e_count, device=t.device)[:, None]
+                tok = torch.arange(e_count, device=t.device)[None, :]
+                t.zero_()
+                t[:, :e_count] = ((e_count - 1 - (e - tok - layer) % e_count) * step).to(t.dtype)
+            elif name == "model.embed_tokens.weight":
+                ids = torch.arange(t.shape[0], device=t.device)
+                t[:, :e_count] = 0
+                t[ids, ids % e_count] = spike
 
 
 def llama_named_tensors(shape: Dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,

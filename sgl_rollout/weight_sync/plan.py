@@ -5,8 +5,11 @@ shapes, dtypes): the receiver (:mod:`.receiver`, inside SGLang's scheduler) runs
 ``load_weights`` on *meta* tensors of those shapes and records every ``copy_`` that would land in a
 parameter. Each record is a :class:`Chunk`: a strided view of one Hugging Face tensor (for TP > 1
 a shard of it) whose elements go, in order, to one contiguous range of one parameter (rows of a
-fused ``qkv_proj``/``gate_up_proj``, the unpadded rows of a vocab-padded embedding). Tied weights
-and names the loader skips have no chunks and are not sent.
+fused ``qkv_proj``/``gate_up_proj``, the unpadded rows of a vocab-padded embedding, one expert's
+gate or up rows of a mixture-of-experts layer's stacked ``w13_weight`` or its slice of ``w2_weight``:
+SGLang's ``FusedMoE.weight_loader``, ``sglang/srt/layers/moe/fused_moe_triton/layer.py``). Tied
+weights and names the loader skips (under expert parallelism, the experts of other ranks) have no
+chunks on that rank and are not sent to it.
 
 Chunks are kept in the order of the model's parameters and, inside one, by destination offset,
 then packed into buckets of at most ``bucket_bytes`` (:func:`layout`); a chunk that does not fit
@@ -188,6 +191,18 @@ def encode_status(seq: int, code: int, body: dict) -> bytes:
         raise ValueError(f"status body of {len(raw)} bytes does not fit in {STATUS_BYTES}")
     head = torch.tensor([seq, code, len(raw), VERSION], dtype=torch.int64).numpy().tobytes()
     return head + raw
+
+
+#: Bytes :func:`status_room` keeps for what the loader adds to a body after checking it (its timestamps, ``t``).
+STAMP_BYTES = 128
+
+
+def status_room(body: dict) -> int:
+    """Bytes of a status block (``STATUS_BYTES``, read when called) left after ``body``'s JSON, the 32-byte
+    header and :data:`STAMP_BYTES`; negative when :func:`encode_status` would refuse the body. The copy
+    plan of a big mixture-of-experts model (a chunk per expert and projection: about 18,700 for
+    Qwen3-30B-A3B's 48 layers of 128 experts, 2 MB of JSON) does not fit the 1 MiB block."""
+    return STATUS_BYTES - 32 - STAMP_BYTES - len(json.dumps(body).encode())
 
 
 def decode_header(head: bytes) -> Tuple[int, int, int, int]:
