@@ -76,10 +76,10 @@ def _trainer(model_dir, out_dir, worker, scored=None, **cfg):
             scored.extend(list(c) for c in completion_ids)
         return [float(len(c)) for c in completions]
 
-    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=2, num_generations=2,
-                      max_completion_length=4, max_steps=2, report_to="none", use_cpu=True, bf16=False,
-                      gradient_checkpointing=False, logging_steps=1, save_strategy="no", beta=0.0,
-                      learning_rate=1e-2, **cfg)
+    args = GRPOConfig(**{**dict(output_dir=str(out_dir), per_device_train_batch_size=2, num_generations=2,
+                                max_completion_length=4, max_steps=2, report_to="none", use_cpu=True, bf16=False,
+                                gradient_checkpointing=False, logging_steps=1, save_strategy="no", beta=0.0,
+                                learning_rate=1e-2), **cfg})  # cfg overrides (tests/test_trl_dp.py: batch 3)
     ds = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "5+2=", "9+1=", "3+3="]})
     trainer = sgl_trl.SglGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=ds,
                                      rollout=worker)
@@ -134,9 +134,17 @@ def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_p
         return SimpleNamespace(is_deepspeed_enabled=ds, is_fsdp_enabled=fsdp,
                                accelerator=SimpleNamespace(num_processes=procs))
 
+    from sgl_rollout.config import RolloutConfig
+
     assert sgl_trl._refusal_after_init(built()) is None
     assert "FSDP" in sgl_trl._refusal_after_init(built(fsdp=True))
-    assert "2 processes" in sgl_trl._refusal_after_init(built(procs=2))
+    assert sgl_trl._refusal_after_init(built(procs=2), RolloutConfig(model_path=model_dir)) is None  # data parallel
+    tp2 = sgl_trl._refusal_after_init(built(procs=2), RolloutConfig(model_path=model_dir, tensor_model_parallel_size=2))
+    assert "not built yet" in tp2 and "\n" not in tp2
+    assert sgl_trl._refusal_after_init(built(procs=1), RolloutConfig(model_path=model_dir, tensor_model_parallel_size=2)) is None
+    pinned = RolloutConfig(model_path=model_dir, engine_kwargs={"base_gpu_id": 1})
+    assert "['base_gpu_id']" in sgl_trl._refusal_after_init(built(procs=2), pinned)
+    assert sgl_trl._refusal_after_init(built(procs=1), pinned) is None
 
 
 def test_sampling_params_follow_trls_generation_settings():

@@ -25,10 +25,28 @@ each tool turn) and reward path stay TRL's. It is the method TRL's vLLM colocate
 * after the generation of the step, the engine sleeps (:meth:`~sgl_rollout.worker.RolloutWorker.sleep`,
   by ``sleep_level``), so training gets the memory back.
 
+Several processes (``accelerate launch --num_processes 2``, plain DDP) run data parallel as TRL's vLLM
+colocate mode does with ``vllm_tensor_parallel_size=1`` (``trl/generation/vllm_generation.py``,
+``VLLMGeneration.generate``: "each device holds vLLM copy and work on their own batch of prompts"):
+
+* each rank starts its own engine on its own GPU (:func:`rank_rollout_config`: SGLang's ``base_gpu_id`` =
+  the rank's ``accelerator.device``, a port block of its own from :mod:`sgl_rollout.engine.layout`);
+* each rank generates only for the prompts its dataloader gave it: TRL's ``RepeatSampler`` repeats each
+  prompt ``num_generations`` times and accelerate hands each rank its own consecutive slice of the
+  generation batch, so a prompt's group may span ranks; TRL gathers the rewards of all ranks before it
+  computes the group advantages and slices its own back (``_generate_and_score_completions``,
+  ``trl/trainer/grpo_trainer.py``). Nothing here gathers prompts;
+* each rank syncs its engine from its own replica of the model (DDP: every rank holds all of it, equal
+  after every optimizer step);
+* an engine call that fails on one rank fails every rank at the same point, before TRL's next
+  collective (:class:`RankFailedError` on the others), instead of leaving them waiting in it.
+
 Not yet served (each refused in one line, at start-up or at the call): TRL's ``use_vllm``, models under
-DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), PEFT models, more than one process
-(``accelerate launch`` with 2), and images. TRL's tool-call loop calls the same seam; no test runs it yet. Ran on the CPU
-only (``tests/test_trl.py``, real ``GRPOTrainer`` with an engine double); no GPU run yet.
+DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), PEFT models, one TP engine across
+ranks (TRL's ``vllm_tensor_parallel_size > 1``), and images. TRL's tool-call loop calls the same seam; no
+test runs it yet. Ran on the CPU (``tests/test_trl.py``; ``tests/test_trl_dp.py``: 2 processes, gloo) with
+an engine double; on GPUs ``tests/gpu/test_trl_gpu.py``: 1 GPU passed on an H200, the 2-GPU case is
+written and not yet run.
 """
 
 from __future__ import annotations
@@ -110,24 +128,129 @@ def _refusal(args, model) -> Optional[str]:
     return None
 
 
-def _refusal_after_init(trainer) -> Optional[str]:
-    """Why a built trainer cannot be served yet (None: it can): sharded parameters, or several processes
-    (one engine per rank is not built yet)."""
+#: SGLang ``ServerArgs`` fields :func:`rank_rollout_config` sets per rank when several processes run (a
+#: value given in ``engine_kwargs`` would be the same on every rank: two engines on one GPU or one port).
+PER_RANK_SERVER_ARGS = ("base_gpu_id", "gpu_id_step", "nccl_port", "port", "dist_init_addr")
+
+
+class RankFailedError(RuntimeError):
+    """Another rank's engine call failed in the same generation (several processes): raised on every rank
+    whose own call went well, at the same point as the failing rank's own error, so that no rank waits in
+    TRL's next collective for one that has stopped. The message names the rank and its error in one line."""
+
+
+def _tensor_parallel_size(rollout) -> int:
+    """The TP size of ``rollout`` (a RolloutConfig, or a worker with a ``config``); 1 when it has none."""
+    cfg = getattr(rollout, "config", rollout)
+    return int(getattr(cfg, "tensor_model_parallel_size", 1) or 1)
+
+
+def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
+    """Why a built trainer cannot be served yet (None: it can): sharded parameters, one TP engine across
+    ranks, or per-rank SGLang settings given once for all ranks (:data:`PER_RANK_SERVER_ARGS`)."""
+    from ..config import RolloutConfig
+
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         return "DeepSpeed or FSDP: SglGRPOTrainer gathers no sharded parameters yet"
-    if trainer.accelerator.num_processes > 1:
-        return (f"{trainer.accelerator.num_processes} processes: SglGRPOTrainer runs one process (one engine) "
-                "so far")
+    procs, tp = trainer.accelerator.num_processes, _tensor_parallel_size(rollout)
+    if procs > 1 and tp > 1:
+        return (f"tensor_model_parallel_size={tp} with {procs} processes: one TP engine across ranks (TRL's "
+                "vllm_tensor_parallel_size) is not built yet; use 1 (one engine per rank, data parallel)")
+    given = sorted(k for k in PER_RANK_SERVER_ARGS if isinstance(rollout, RolloutConfig) and k in rollout.engine_kwargs)
+    if procs > 1 and given:
+        return (f"engine_kwargs {given} with {procs} processes: SglGRPOTrainer chooses these per rank (the rank's "
+                "GPU, a port block of its own; no multi-node engine); leave them out")
     return None
+
+
+def rank_rollout_config(config, accelerator):
+    """This rank's engine settings when several processes run (accelerate's DDP): ``config`` with SGLang's
+    ``base_gpu_id`` = the rank's GPU (``accelerator.device.index``, which accelerate sets to
+    ``local_process_index % device_count`` in ``PartialState.set_device``, ``accelerate/state.py``; off CUDA,
+    as in the CPU tests, ``accelerator.local_process_index``), ``gpu_id_step`` 1, and ``nccl_port`` /
+    ``port`` from a port block of its own (:func:`sgl_rollout.engine.layout.replica_layout` with the local
+    rank as the replica rank, moved by whole strides of all ranks' blocks past ports in use here; the
+    verl path's way to keep engines on one host apart, ``engine/layout.py``). SGLang's other names are
+    per engine already (its ZMQ sockets are ``ipc://`` temporary files, ``PortArgs.init_new`` in
+    ``sglang/srt/server_args.py``; torch-memory-saver's state is per process). A ``random_seed`` in
+    ``engine_kwargs`` gets ``+ accelerator.process_index``, as TRL seeds each colocated vLLM with its rank
+    (``trl/generation/vllm_generation.py``): ranks given the same prompts must not draw the same samples.
+    Unset, SGLang draws one per engine.
+
+    Args:
+        config: a :class:`~sgl_rollout.config.RolloutConfig`, or anything else (a ready worker: returned
+            as it is).
+        accelerator: the trainer's ``accelerate.Accelerator``.
+
+    Returns:
+        ``config`` itself with one process; else a copy with the engine kwargs above.
+
+    Raises:
+        LayoutError: no free port block below :data:`sgl_rollout.engine.layout.MAX_PORT`.
+    """
+    from ..config import RolloutConfig
+    from ..engine.layout import port_is_free, replica_layout
+
+    if not isinstance(config, RolloutConfig) or accelerator.num_processes == 1:
+        return config
+    device = accelerator.device
+    gpu = device.index if device.type == "cuda" and device.index is not None else accelerator.local_process_index
+    layout = replica_layout(accelerator.local_process_index, 1, [[gpu]],
+                            n_replicas=accelerator.num_processes).first_free_block(port_is_free)
+    kwargs = dict(config.engine_kwargs, base_gpu_id=int(gpu), gpu_id_step=1, nccl_port=layout.nccl_port,
+                  port=layout.sglang_port)
+    if kwargs.get("random_seed") is not None:
+        kwargs["random_seed"] = int(kwargs["random_seed"]) + accelerator.process_index
+    return config.model_copy(update={"engine_kwargs": kwargs})
+
+
+def _one_line(err: BaseException, limit: int = 400) -> str:
+    """``"<type>: <message>"`` on one line, at most ``limit`` characters."""
+    text = " ".join(f"{type(err).__name__}: {err}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def agreed(call, accelerator):
+    """Run ``call()`` on every rank, then make every rank fail when any did.
+
+    Each rank must reach this point the same number of times, in the same order as TRL's collectives:
+    the failing rank re-raises its own error, the others raise :class:`RankFailedError` naming it. With
+    one process nothing is exchanged. One ``gather_object`` of a short string or None per call
+    (accelerate's ``all_gather_object``).
+
+    Returns:
+        what ``call()`` returned.
+
+    Raises:
+        whatever ``call()`` raised, on its rank; RankFailedError on the other ranks.
+    """
+    error: Optional[Exception] = None
+    out = None
+    try:
+        out = call()
+    except Exception as err:  # noqa: BLE001 - reported to every rank, then raised again below
+        error = err
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        lines = gather_object([None if error is None else _one_line(error)])
+        failed = [(rank, line) for rank, line in enumerate(lines) if line is not None]
+        if failed and error is None:
+            rank, line = failed[0]
+            raise RankFailedError(f"rank {rank} of {accelerator.num_processes} failed in its generation "
+                                  f"({line}); rank {accelerator.process_index} stops with it")
+    if error is not None:
+        raise error
+    return out
 
 
 class _SglGeneration:
     """The generation side of :class:`SglGRPOTrainer` (its ``sgl``): the worker, made on first use from a
-    :class:`~sgl_rollout.config.RolloutConfig`, whether the engine is awake, and the training step whose
-    weights it holds."""
+    :class:`~sgl_rollout.config.RolloutConfig` (this rank's, :func:`rank_rollout_config`), whether the
+    engine is awake, the training step whose weights it holds, and whether TRL's tool loop is running."""
 
     def __init__(self, rollout):
-        self._rollout, self.synced_step, self.awake = rollout, None, False
+        self._rollout, self.synced_step, self.awake, self.in_tool_loop = rollout, None, False, False
 
     @property
     def worker(self):
@@ -147,6 +270,13 @@ class _SglGeneration:
             return
         self.worker.update_weights(weights())
         self.synced_step, self.awake = step, True
+
+    def generate(self, trainer, prompt_ids) -> Tuple[List[List[int]], List[List[float]]]:
+        """The wake with ``trainer``'s weights, then one completion per prompt of ``prompt_ids``
+        (``List[List[int]]``); ``(completion ids, logprobs)``, both ``List[List]``, in prompt order."""
+        self.wake(trainer.state.global_step, trainer._trainer_weights)
+        gens = self.worker.generate([list(p) for p in prompt_ids], sampling_params_of(trainer), n=1)
+        return [list(g[0].output_ids) for g in gens], [list(g[0].logprobs) for g in gens]
 
     def sleep(self, raise_errors: bool) -> None:
         """Release the engine's memory for training (by ``sleep_level``); a failure is raised when
@@ -172,14 +302,15 @@ def _make_class():
         Args:
             *args, **kwargs: ``GRPOTrainer``'s.
             rollout: a :class:`~sgl_rollout.config.RolloutConfig` (the engine is started at the first
-                generation, in this process, on this rank's GPU) or a ready
+                generation, in this process, on this rank's GPU: :func:`rank_rollout_config`) or a ready
                 :class:`~sgl_rollout.worker.RolloutWorker` (or anything with its ``generate``,
-                ``update_weights`` and ``sleep``).
+                ``update_weights`` and ``sleep``), this rank's.
 
         Raises:
             UnsupportedTRLVersion: the installed TRL is outside :data:`SUPPORTED_TRL`.
             ValueError: ``rollout`` is missing, or a setting this trainer does not serve yet (TRL's
-                ``use_vllm``, a PEFT model, DeepSpeed ZeRO-3 or FSDP, several processes), in one line.
+                ``use_vllm``, a PEFT model, DeepSpeed ZeRO-3 or FSDP, TP > 1 with several processes), in one line.
+            LayoutError: several processes and no free port block (:func:`rank_rollout_config`).
         """
 
         def __init__(self, *args, rollout=None, **kwargs):
@@ -190,46 +321,53 @@ def _make_class():
             if why:
                 raise ValueError(why)
             super().__init__(*args, **kwargs)
-            why = _refusal_after_init(self)
+            why = _refusal_after_init(self, rollout)
             if why:
                 raise ValueError(why)
-            self.sgl = _SglGeneration(rollout)
+            self.sgl = _SglGeneration(rank_rollout_config(rollout, self.accelerator))
 
         def _trainer_weights(self) -> List[Tuple[str, Any]]:
-            """The policy's parameters, Hugging Face names, as the engine is to hold them."""
+            """The policy's parameters (this rank's replica), Hugging Face names, as the engine is to hold them."""
             model = self.accelerator.unwrap_model(self.model)
             return [(n, p.detach()) for n, p in model.named_parameters()]
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                                   has_tool_images=False):
-            """One completion per prompt in ``prompt_ids`` (``List[List[int]]``) from SGLang, after the
-            staged wake with the trainer's weights when the step changed; ``(completion ids, logprobs)``,
-            both ``List[List]``, in prompt order.
+            """One completion per prompt in ``prompt_ids`` (``List[List[int]]``, this rank's) from SGLang
+            (:meth:`_SglGeneration.generate`). The first call of a generation (not one of TRL's tool loop,
+            whose calls differ in number between ranks) is :func:`agreed` between ranks.
 
             Raises:
                 NotImplementedError: images (not served yet).
                 SyncValidationError, MemoryStateError, EngineDeadError: from the worker, unchanged: the
                     trainer's process lives and the engine keeps its last good weights where the refusal
                     came before the first byte.
+                RankFailedError: another rank's call failed.
             """
             if (images is not None and any(images)) or has_tool_images or multimodal_fields:
                 raise NotImplementedError("images: SglGRPOTrainer generates text only so far")
-            self.sgl.wake(self.state.global_step, self._trainer_weights)
-            gens = self.sgl.worker.generate([list(p) for p in prompt_ids], sampling_params_of(self), n=1)
-            completion_ids = [list(g[0].output_ids) for g in gens]
-            logprobs = [list(g[0].logprobs) for g in gens]
-            return completion_ids, logprobs
+            if self.sgl.in_tool_loop:
+                return self.sgl.generate(self, prompt_ids)
+            return agreed(lambda: self.sgl.generate(self, prompt_ids), self.accelerator)
+
+        def _tool_call_loop(self, *args, **kwargs):
+            """TRL's tool loop (each rank runs it once per generation when tools are set), :func:`agreed`."""
+            self.sgl.in_tool_loop = True
+            try:
+                return agreed(lambda: super(SglGRPOTrainer, self)._tool_call_loop(*args, **kwargs), self.accelerator)
+            finally:
+                self.sgl.in_tool_loop = False
 
         def _generate(self, prompts):
-            """TRL's ``_generate`` (templating, the tool loop, decoding), then the engine sleeps until the
-            next step's generation."""
-            ok = False
+            """TRL's ``_generate`` (templating, the tool loop, decoding, its gathers), then the engine sleeps
+            until the next step's generation (:func:`agreed` between ranks)."""
             try:
                 out = super()._generate(prompts)
-                ok = True
-                return out
-            finally:
-                self.sgl.sleep(raise_errors=ok)
+            except BaseException:
+                self.sgl.sleep(raise_errors=False)
+                raise
+            agreed(lambda: self.sgl.sleep(raise_errors=True), self.accelerator)
+            return out
 
     return SglGRPOTrainer
 
@@ -245,5 +383,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["SUPPORTED_TRL", "TRL_REQUIREMENT", "SglGRPOTrainer", "UnsupportedTRLVersion", "check_trl_version",
-           "sampling_params_of"]
+__all__ = ["PER_RANK_SERVER_ARGS", "RankFailedError", "SUPPORTED_TRL", "TRL_REQUIREMENT", "SglGRPOTrainer",
+           "UnsupportedTRLVersion", "agreed", "check_trl_version", "rank_rollout_config", "sampling_params_of"]

@@ -1,10 +1,22 @@
 """TRL's real GRPOTrainer generating on a real SGLang engine through ``SglGRPOTrainer`` (issue 48): two
-training steps, then greedy output after the sync equals Hugging Face's with the trainer's weights.
+training steps, then greedy output after the sync equals Hugging Face's with the trainer's weights; on one
+GPU, and data parallel on two (``accelerate launch --multi_gpu --num_processes 2``, one engine per rank on
+that rank's GPU: the same check on each rank, with that rank's weights).
 
-Written 2026-11-28 without a GPU run (the session's device time was spent); the CPU counterpart is
-``tests/test_trl.py``.
+The 1-GPU case passed on an H200 (docs/gpu-tests.md); the 2-GPU case was written 2026-11-29 without a GPU
+run. The CPU counterparts are ``tests/test_trl.py`` and ``tests/test_trl_dp.py``. Run as a script (what the
+2-GPU case's ``accelerate launch`` starts), this file is one rank (``_rank_main``).
 """
 
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
 import pytest
 import torch  # noqa: F401 - the GPU suite imports torch first
 
@@ -14,33 +26,114 @@ datasets = pytest.importorskip("datasets")
 from sgl_rollout.bench import gpu_engine_flags  # noqa: E402
 from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir  # noqa: E402
 from sgl_rollout.config import RolloutConfig  # noqa: E402
+from sgl_rollout.engine.lifecycle import kill_trees  # noqa: E402
 
-from .greedy import assert_greedy_equal, engine_greedy  # noqa: E402
+if __package__:
+    from .greedy import assert_greedy_equal, engine_greedy  # noqa: E402
+else:  # a rank of the 2-GPU case, run as a script: tests/gpu is sys.path[0]
+    from greedy import assert_greedy_equal, engine_greedy  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+#: Seconds the 2-GPU launch may take (two engines start at once, 2 steps each); below the GPU suite's
+#: 300 s per test (tests/gpu/conftest.py), so a hang ends here, with the ranks' log, and is killed.
+TWO_GPU_DEADLINE_S = 280
 
 
-def test_grpo_steps_on_sglang_then_greedy_equals_hugging_face_with_the_trainers_weights(tmp_path):
-    from transformers import AutoTokenizer
+def _trainer(model_dir, out_dir, per_device_batch=4):
+    """TRL's GRPOTrainer on SGLang for 2 steps of ``per_device_batch`` completions a rank (4 per prompt)."""
     from trl import GRPOConfig
 
     from sgl_rollout.integrations.trl import SglGRPOTrainer
 
-    model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)  # tiny Qwen2 + offline ChatML tokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "the answer is", "7 and 8")]
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=8, max_steps=2, report_to="none", logging_steps=1, save_strategy="no",
                       bf16=True, gradient_checkpointing=False, beta=0.0, learning_rate=1e-3)
+    fast = os.environ.get("SGL_ROLLOUT_GPU_FAST_SYNC")  # a rank process has no conftest: pass the suite's choice
     rollout = RolloutConfig(model_path=model_dir, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True,
-                            engine_kwargs=gpu_engine_flags())
+                            engine_kwargs=gpu_engine_flags(), **({"fast_sync": fast == "1"} if fast in ("0", "1") else {}))
     ds = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "5+2=", "9+1=", "3+3=", "7+1=", "6+6="]})
-    trainer = SglGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                             args=args, train_dataset=ds, rollout=rollout)
+    return SglGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=args, train_dataset=ds, rollout=rollout)
+
+
+def _train_then_greedy(trainer, model_dir) -> dict:
+    """Train, sync the last step's weights, and check greedy == Hugging Face's with this rank's weights
+    (raises AssertionError if not); returns what the engine was told and a digest of the weights."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "the answer is", "7 and 8")]
     try:
         trainer.train()
         assert trainer.state.global_step == 2 and trainer.sgl.synced_step == 1
         model = trainer.accelerator.unwrap_model(trainer.model).eval()
+        digest = hashlib.sha256()
+        for _, p in model.named_parameters():
+            digest.update(p.detach().float().cpu().numpy().tobytes())
         trainer.sgl.wake(trainer.state.global_step, trainer._trainer_weights)  # step 2's weights, synced
         got = engine_greedy(trainer.sgl.worker, prompts, 8)
         assert_greedy_equal(model.to(torch.bfloat16), prompts, got)
+        info = trainer.sgl.worker.engine.server_info()
+        return {"base_gpu_id": info.get("base_gpu_id"), "nccl_port": info.get("nccl_port"),
+                "device": str(trainer.accelerator.device), "weights_sha256": digest.hexdigest()}
     finally:
         trainer.sgl.worker.shutdown()
+
+
+def test_grpo_steps_on_sglang_then_greedy_equals_hugging_face_with_the_trainers_weights(tmp_path):
+    model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)  # tiny Qwen2 + offline ChatML tokenizer
+    _train_then_greedy(_trainer(model_dir, tmp_path / "out"), model_dir)
+
+
+# ------------------------------------------------------------------------------------------- 2 GPUs
+def _rank_main(model_dir, out_dir):
+    """One rank of the 2-GPU case (started by ``accelerate launch``): train, check, write ``rank<r>.json``."""
+    trainer = _trainer(model_dir, Path(out_dir) / "trainer")
+    result = _train_then_greedy(trainer, model_dir)
+    result.update(rank=trainer.accelerator.process_index, local_rank=trainer.accelerator.local_process_index)
+    (Path(out_dir) / f"rank{result['rank']}.json").write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown, as tests/conftest.py ends the pytest process: the 1-GPU case never went
+    # through one with a trainer and SGLang's client in the process (a hang or crash there is not this test's)
+    os._exit(0)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_ranks_data_parallel_each_engine_on_its_gpu_greedy_equals_hugging_face(tmp_path):
+    model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    root = HERE.parent.parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(_free_port()), str(Path(__file__)), str(model_dir), str(out)]
+    with open(tmp_path / "launch.log", "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            rc = proc.wait(timeout=TWO_GPU_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if proc.poll() is None:  # the launcher, its ranks (sessions of their own) and their engines
+                kill_trees([psutil.Process(proc.pid)])
+                proc.wait()
+    tail = (tmp_path / "launch.log").read_text()[-6000:]
+    assert rc == 0, f"accelerate launch: rc={rc} (None: past {TWO_GPU_DEADLINE_S} s)\n{tail}"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    print("2-GPU ranks:", ranks)
+    # each rank's engine on its own GPU (the trainer's), with its own ports; both passed the greedy check
+    assert [r["base_gpu_id"] for r in ranks] == [0, 1] and [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
+    assert ranks[0]["nccl_port"] != ranks[1]["nccl_port"]
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]  # DDP: the replicas agree
+
+
+if __name__ == "__main__":
+    _rank_main(sys.argv[1], sys.argv[2])
