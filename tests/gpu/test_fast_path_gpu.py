@@ -3,9 +3,11 @@
 output equals Hugging Face's after a fast-path sync; an injected loader failure leaves the engine
 serving and a retry succeeds.
 
-Bit-exact: the engine's parameters are hashed inside the scheduler (op ``digest``) after a fast-path
-sync of weights A; then B and A again are synced through SGLang's ``load_weights`` (``partial=True``
-takes op ``load``); the hashes of every whole parameter must match A's, and differ for B.
+Bit-exact: the engine starts from weights A on disk and is given B through SGLang's own ``load_weights``
+(``partial=True`` takes op ``load``); the fast path then writes A over B, and the engine's parameters are
+hashed inside the scheduler (op ``digest``); A again through ``load_weights`` must give the same hashes of
+every whole parameter, B's must differ. Every fast-path write lands on B, so a fast path that copied
+nothing (or missed a parameter) fails here; before 2026-11-28 the test synced A over A, where it could not.
 """
 
 import pytest
@@ -71,22 +73,24 @@ def _bit_exact(tmp_path, arch, tie, tp):
     worker = _worker(str(tmp_path), tp)
     try:
         a, b = a.cuda().eval(), b.cuda().eval()
-        worker.update_weights(_params(a))
+        worker.update_weights(_params(b), partial=True)  # SGLang's own load_weights: the engine holds B
+        other = _digest(worker)
+        worker.update_weights(_params(a))  # the fast path writes A over B
         assert worker._fast is not None and worker._fast.covered, worker._fast and worker._fast.reason
         fast = _digest(worker)
         assert len(fast) == tp and all(len(d) > 5 for d in fast)
-        worker.update_weights(_params(b), partial=True)  # SGLang's own load_weights
-        other = _digest(worker)
         worker.update_weights(_params(a), partial=True)
         slow = _digest(worker)
         assert other != fast
         assert slow == fast, [n for r in range(tp) for n in fast[r] if fast[r][n] != slow[r][n]]
         # fp32 trainer tensors (verl's FSDP keeps fp32 parameters): cast into the bf16 buffer in the gather;
-        # bf16 -> fp32 -> bf16 is lossless, so the engine must hold the same bits
+        # bf16 -> fp32 -> bf16 is lossless, so the engine must hold the same bits (written over B again)
+        worker.update_weights(_params(b), partial=True)
         worker.update_weights([(n, t.float()) for n, t in _params(a)])
         cast = _digest(worker)
         assert cast == fast, [n for r in range(tp) for n in fast[r] if fast[r][n] != cast[r][n]]
-        worker.update_weights(_params(a))  # fast path again, then generate
+        worker.update_weights(_params(b), partial=True)
+        worker.update_weights(_params(a))  # fast path over B again, then generate
         parts = {k: v for k, v in worker.last_phase_seconds.items() if k.startswith("sync.")}
         assert set(parts) == {"sync.gather", "sync.gather.alloc", "sync.gather.copy", "sync.gather.serialize",
                               "sync.gather.wait", "sync.call", "sync.check", "sync.call.request", "sync.call.loader",
