@@ -290,6 +290,29 @@ def test_a_plan_too_big_for_the_status_block_falls_back_instead_of_failing_every
     assert plan_mod.status_room(body) < 0 and plan_mod.status_room({"covered": False}) > 0
 
 
+def test_a_packed_plan_fits_the_status_block_and_syncs_bit_exact(monkeypatch):
+    """Above ``PACK_ABOVE`` the loader packs the chunks (zlib); here a 4 KiB block, where the TP=2 ranks'
+    5 KB plans did not fit unpacked (the test above), and packing from 1 KiB on: covered, and bit-exact."""
+    monkeypatch.setattr(plan_mod, "STATUS_BYTES", 4096)
+    monkeypatch.setattr(plan_mod, "PACK_ABOVE", 1024)
+    models, weights = ranks("tp2"), moe_weights(seed=8)
+    sender = sync(models, weights, 1 << 20)
+    assert sender.covered, sender.reason
+    assert not differing(models, loaded("tp2", weights))
+
+
+def test_pack_chunks_round_trip_and_refuses_a_corrupt_answer(monkeypatch):
+    chunks = [[f"model.layers.{i}.mlp.experts.{e}.up_proj.weight", 0, [8, 16], [16, 1], "bfloat16", i, e * 128]
+              for i in range(4) for e in range(64)]
+    assert plan_mod.pack_chunks(chunks) == {"chunks": chunks}  # small: as it is
+    monkeypatch.setattr(plan_mod, "PACK_ABOVE", 1024)
+    packed = plan_mod.pack_chunks(chunks)
+    assert set(packed) == {"chunks_z"} and len(packed["chunks_z"]) < len(str(chunks)) / 5
+    assert plan_mod.unpack_chunks(packed) == chunks and plan_mod.unpack_chunks({"covered": False}) is None
+    with pytest.raises(ValueError, match="does not unpack"):
+        plan_mod.unpack_chunks({"chunks_z": packed["chunks_z"][:-8] + "AAAAAAAA"})
+
+
 def test_qwen3_moe_folder_and_checkpoint_names(tmp_path):
     """:func:`~sgl_rollout.bench.models.make_qwen3_moe_dir` saves per-expert checkpoint tensors (the weight
     manifest's names); :func:`~sgl_rollout.bench.models.qwen3_moe_checkpoint_tensors` gives the same names and

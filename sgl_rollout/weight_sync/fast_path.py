@@ -22,7 +22,7 @@ from .bucket import ALIGN, NamedTensor, _checked_item, bucket_layout, flatten_bu
 from .ipc import serialize
 from .manifest import SyncValidationError
 from .plan import (OK, STATUS_BYTES, STATUS_NAME, Chunk, bucket_size, decode_header, dtype_name, dtype_of, header_name,
-                   layout, manifest_entries, plan_id)
+                   layout, manifest_entries, plan_id, unpack_chunks)
 from .flattened_bucket import raise_on_failure
 from .protocol import SyncStats, bucket_rounds
 
@@ -258,7 +258,7 @@ class FastPathSender:
                         plan_id=plan_id(entries, self.bucket_bytes, r, self.tp_size)) for r in self.tp_ranks]
         bodies = self._call(headers, [None] * len(self.tp_ranks))
         # every rank's answer on every process: each runs the same buckets in the same order
-        answers = sorted(self._agree([(r, bool(b.get("covered")), b.get("reason", ""), b.get("chunks"))
+        answers = sorted(self._agree([(r, bool(b.get("covered")), b.get("reason", ""), unpack_chunks(b))
                                       for r, b in zip(self.tp_ranks, bodies)]), key=lambda a: a[0])
         if [a[0] for a in answers] != list(range(self.tp_size)):
             raise FastPathError(f"copy plans came for TP ranks {[a[0] for a in answers]}, not each of {self.tp_size}")

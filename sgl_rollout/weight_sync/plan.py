@@ -21,11 +21,14 @@ parameters (one batched copy). Nothing in this module needs CUDA or SGLang.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import math
+import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -193,15 +196,44 @@ def encode_status(seq: int, code: int, body: dict) -> bytes:
     return head + raw
 
 
+#: Chunk lists whose JSON is longer (bytes) travel compressed in the plan answer (:func:`pack_chunks`).
+PACK_ABOVE = 256 << 10
+
+
+def pack_chunks(chunks: List[list]) -> dict:
+    """The chunks of a plan answer (:meth:`Chunk.to_list` each): ``{"chunks": chunks}``, or, when their
+    JSON is over :data:`PACK_ABOVE` bytes, ``{"chunks_z": <base64 of the zlib-compressed JSON>}``. A big
+    mixture-of-experts model has a chunk per expert and projection, and its plan is regular: Qwen3-30B-A3B's
+    18,432 expert chunks are 1.9 MB of JSON and 183 KB packed, so the answer fits the status block
+    (:data:`STATUS_BYTES`) up to models about five times larger."""
+    raw = json.dumps(chunks).encode()
+    if len(raw) <= PACK_ABOVE:
+        return {"chunks": chunks}
+    return {"chunks_z": base64.b64encode(zlib.compress(raw, 6)).decode("ascii")}
+
+
+def unpack_chunks(body: dict) -> Optional[List[list]]:
+    """The chunk lists of a plan answer (:func:`pack_chunks`), None when it has none (not covered).
+
+    Raises:
+        ValueError: ``chunks_z`` is not base64 of zlib-compressed JSON.
+    """
+    if "chunks_z" not in body:
+        return body.get("chunks")
+    try:
+        return json.loads(zlib.decompress(base64.b64decode(body["chunks_z"], validate=True)))
+    except (zlib.error, binascii.Error, json.JSONDecodeError) as exc:
+        raise ValueError(f"a packed copy plan that does not unpack: {exc}") from None
+
+
 #: Bytes :func:`status_room` keeps for what the loader adds to a body after checking it (its timestamps, ``t``).
 STAMP_BYTES = 128
 
 
 def status_room(body: dict) -> int:
     """Bytes of a status block (``STATUS_BYTES``, read when called) left after ``body``'s JSON, the 32-byte
-    header and :data:`STAMP_BYTES`; negative when :func:`encode_status` would refuse the body. The copy
-    plan of a big mixture-of-experts model (a chunk per expert and projection: about 18,700 for
-    Qwen3-30B-A3B's 48 layers of 128 experts, 2 MB of JSON) does not fit the 1 MiB block."""
+    header and :data:`STAMP_BYTES`; negative when :func:`encode_status` would refuse the body (a plan
+    answer of several hundred thousand chunks, even packed by :func:`pack_chunks`)."""
     return STATUS_BYTES - 32 - STAMP_BYTES - len(json.dumps(body).encode())
 
 

@@ -20,7 +20,7 @@ Requests (the payload's first item is ``(header JSON, bucket buffer)``, the seco
   ``load_weights`` on meta tensors under a dispatch mode that records each ``copy_`` into a
   parameter instead of doing it (:class:`_CopyTracer`); answer the chunks, or why the model's
   layout is not covered (a write that is not a plain copy from the source, a dtype view, a
-  broadcast, a non-contiguous destination, a plan too big for the status block). Mixture-of-experts
+  broadcast, a non-contiguous destination, a plan too big for the status block even packed). Mixture-of-experts
   layers are covered where SGLang's ``FusedMoE.weight_loader`` copies each expert's (TP-narrowed)
   tensor into its rows of the stacked ``w13_weight``/``w2_weight`` (unquantized, the Triton MoE
   runner: ``param.data[local expert]``, then ``narrow`` on both sides; experts of other EP ranks are
@@ -62,8 +62,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .plan import (FAILED, OK, STATUS_NAME, Chunk, dtype_name, dtype_of, encode_status, layout, parse_header,
-                   status_room)
+from .plan import (FAILED, OK, STATUS_NAME, Chunk, dtype_name, dtype_of, encode_status, layout, pack_chunks,
+                   parse_header, status_room)
 
 logger = logging.getLogger(__name__)
 
@@ -341,12 +341,12 @@ def _make_plan(model, header: dict) -> dict:
     except _Uncovered as exc:
         logger.info("sgl_rollout: model layout not covered by the copy plan (%s)", exc)
         return {"covered": False, "reason": str(exc)}
-    body = {"covered": True, "chunks": [c.to_list() for c in chunks], "fills": len(fills),
+    body = {"covered": True, **pack_chunks([c.to_list() for c in chunks]), "fills": len(fills),
             "pieces": [b.n_pieces for b in plan.buckets], "copies": [len(b.sizes) for b in plan.buckets]}
     room = status_room(body)
     if room < 0:  # the answer would fail in encode_status, and so would every sync after it
-        reason = (f"the copy plan's {len(chunks)} chunks are {-room} bytes too many for the status block "
-                  "(a big mixture-of-experts model)")
+        reason = (f"the copy plan's {len(chunks)} chunks are {-room} bytes too many for the status block, "
+                  "packed")
         logger.info("sgl_rollout: model layout not covered by the copy plan (%s)", reason)
         return {"covered": False, "reason": reason}
     _PLANS[header["plan_id"]] = plan
