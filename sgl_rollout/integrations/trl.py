@@ -43,8 +43,8 @@ colocate mode does with ``vllm_tensor_parallel_size=1`` (``trl/generation/vllm_g
 
 Not yet served (each refused in one line, at start-up or at the call): TRL's ``use_vllm``, models under
 DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), PEFT models, one TP engine across
-ranks (TRL's ``vllm_tensor_parallel_size > 1``), and images. TRL's tool-call loop calls the same seam; no
-test runs it yet. Ran on the CPU (``tests/test_trl.py``; ``tests/test_trl_dp.py``: 2 processes, gloo) with
+ranks (TRL's ``vllm_tensor_parallel_size > 1``), and images. TRL's tool-call loop (``tools=[...]``) calls the
+same seam: the engine stays awake through it and sleeps once after (``tests/test_trl_tools.py``). Ran on the CPU (``tests/test_trl.py``; ``tests/test_trl_dp.py``: 2 processes, gloo) with
 an engine double; on GPUs ``tests/gpu/test_trl_gpu.py``: 1 GPU passed on an H200, the 2-GPU case is
 written and not yet run.
 """

@@ -199,13 +199,15 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
 
 @functools.lru_cache(maxsize=4)
 def _renamer_of(model_path: str, trust_remote_code: bool):
-    from ..checkpoint_names import checkpoint_renamer
+    from ..checkpoint_names import checkpoint_mappings
 
-    return checkpoint_renamer(model_path, trust_remote_code=trust_remote_code)
+    return checkpoint_mappings(model_path, trust_remote_code=trust_remote_code)[1]
 
 
 def _renamer(plan: dict):
-    """Trainer name -> checkpoint name for the model a rollout's plan names (read once per model), or None."""
+    """``(trainer name, tensor) -> [(checkpoint name, tensor), ...]`` for the model a rollout's plan names
+    (read once per model; fused experts split into views, :func:`~sgl_rollout.checkpoint_names.tensor_renamer`),
+    or None."""
     path = plan.get("model_path")
     return _renamer_of(path, bool(plan.get("trust_remote_code"))) if path else None
 

@@ -67,9 +67,10 @@ __all__ = ["SglRollout"]
 
 
 
-async def _renamed_async(weights, rename):
+async def _renamed_async(weights, path):
     async for name, tensor in weights:
-        yield rename(name.replace(".base_layer.", ".")), tensor
+        for item in path.renamed([(name.replace(".base_layer.", "."), tensor)]):
+            yield item
 
 
 async def _checked_fp8(helper, quantized):
@@ -82,9 +83,8 @@ async def _checked_fp8(helper, quantized):
         yield name, tensor
 
 
-def _renamed_sync(weights, rename):
-    for name, tensor in weights:
-        yield rename(name.replace(".base_layer.", ".")), tensor
+def _renamed_sync(weights, path):
+    return path.renamed((name.replace(".base_layer.", "."), tensor) for name, tensor in weights)
 
 
 class SglRollout(VerlWeightSync, BaseRollout):
@@ -218,10 +218,10 @@ class SglRollout(VerlWeightSync, BaseRollout):
     # -------------------------------------------------------------- weight sync
     def _named_tensors(self, weights):
         """``weights`` with LoRA ``.base_layer.`` names folded and transformers >= 5 names renamed to the
-        checkpoint's (:meth:`SyncPath.checkpoint_name`), FP8-quantized when configured; a sync or an async
-        iterator as ``weights`` (and the quantizer) make it."""
-        rename = self._sync_path.checkpoint_name
-        weights = _renamed_async(weights, rename) if hasattr(weights, "__aiter__") else _renamed_sync(weights, rename)
+        checkpoint's, fused experts split into per-expert views (:meth:`SyncPath.renamed`), FP8-quantized
+        when configured; a sync or an async iterator as ``weights`` (and the quantizer) make it."""
+        path = self._sync_path
+        weights = _renamed_async(weights, path) if hasattr(weights, "__aiter__") else _renamed_sync(weights, path)
         if self._fp8:
             from verl.utils.sglang.sglang_fp8_utils import SGLangFP8QuantizerHelper
 

@@ -195,12 +195,13 @@ class PlanPacker:
         plans: one published plan per destination (:meth:`CopyPlan.message <.fast_path.CopyPlan.message>`, in the order the
             destinations are served): ``chunks``, ``bucket_bytes``, ``manifest``, ``optional``.
         device: this trainer rank's GPU (the CPU: tests).
-        rename: trainer name -> checkpoint name (:mod:`sgl_rollout.checkpoint_names`), or None.
+        rename: ``(trainer name, tensor) -> [(checkpoint name, tensor), ...]`` (a fused expert parameter
+            split into per-expert views; :func:`sgl_rollout.checkpoint_names.tensor_renamer`), or None.
 
     The buffer holds one bucket (the largest of any destination's plan), reused for every bucket.
     """
 
-    def __init__(self, plans: Sequence[dict], device, rename: Optional[Callable[[str], str]] = None):
+    def __init__(self, plans: Sequence[dict], device, rename: Optional[Callable[[str, torch.Tensor], list]] = None):
         self.layouts = [layout([Chunk.from_list(c) for c in p["chunks"]], int(p["bucket_bytes"])) for p in plans]
         self.program = SendProgram(self.layouts)
         self.device, self.rename = torch.device(device), rename
@@ -223,7 +224,7 @@ class PlanPacker:
                 weights of a plan (before the bucket that needed them).
         """
         prog = self.program
-        named = ((self.rename(n), t) for n, t in named_tensors) if self.rename else named_tensors
+        named = (p for n, t in named_tensors for p in self.rename(n, t)) if self.rename else named_tensors
         feed = self._feed = SourceFeed(named, SyncValidator(self.manifest), prog.last_use)
         size = max(prog.buffer_bytes)
         if self.buffer is None or self.buffer.numel() < size:
@@ -252,11 +253,12 @@ def _drain(named_tensors) -> None:
 
 
 def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_tensors: Iterable,
-                      renamer: Optional[Callable[[dict], Optional[Callable[[str], str]]]] = None) -> SyncStats:
+                      renamer: Optional[Callable[[dict], Optional[Callable[[str, torch.Tensor], list]]]] = None
+                      ) -> SyncStats:
     """One sync from this trainer rank to its rollout TP ranks ``peers`` (``(group rank, rollout index)``):
     read each one's plan from the store (:func:`plan_key`), pack and send its buckets, end each link.
-    ``renamer(plan)`` gives the trainer name -> checkpoint name function for the model the first plan
-    names (its ``model_path``; None: names unchanged).
+    ``renamer(plan)`` gives the trainer-to-checkpoint tensor renamer (:class:`PlanPacker`'s ``rename``) for the
+    model the first plan names (its ``model_path``; None: names unchanged).
 
     A rank without peers reads ``named_tensors`` to the end and sends nothing.
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence
 
-from ..checkpoint_names import checkpoint_renamer
+from ..checkpoint_names import checkpoint_mappings
 from .manifest import WeightManifest
 
 logger = logging.getLogger(__name__)
@@ -48,25 +48,44 @@ class SyncPath:
         self._manifest_read = False
         self._fast: Optional[bool] = None
         self._renamer: Optional[Callable[[str], str]] = None
+        self._tensor_renamer = None
         self._renamer_read = False
+
+    def _read_renamers(self) -> None:
+        """Read the checkpoint-name mappings of the model once (:func:`checkpoint_mappings`, never raises)."""
+        if not self._renamer_read:
+            self._renamer_read = True
+            self._renamer, self._tensor_renamer = checkpoint_mappings(
+                self.model_path, trust_remote_code=self.trust_remote_code)
+            if self._tensor_renamer is not None:
+                logger.info("weight syncs to %s rename transformers' parameter names (and split fused experts) "
+                            "to the checkpoint's", self.model_path)
 
     def checkpoint_name(self, name: str) -> str:
         """``name`` as the checkpoint (and the manifest and SGLang's loader) spell it: a transformers >= 5
         runtime name renamed back (:mod:`sgl_rollout.checkpoint_names`, e.g. Qwen2.5-VL's ``model.visual.*`` ->
-        ``visual.*``); unchanged for models whose names need no change. The mapping is read once."""
-        if not self._renamer_read:
-            self._renamer_read = True
-            self._renamer = checkpoint_renamer(self.model_path, trust_remote_code=self.trust_remote_code)
-            if self._renamer is not None:
-                logger.info("weight syncs to %s rename transformers' parameter names to the checkpoint's", self.model_path)
+        ``visual.*``); unchanged for models whose names need no change. The mapping is read once. A fused
+        expert parameter is no one name: :meth:`renamed` splits it."""
+        self._read_renamers()
         return name if self._renamer is None else self._renamer(name)
 
     def renamed(self, named_tensors: Iterable) -> Iterator:
-        """``named_tensors`` lazily, each ``(str, tensor)`` pair's name as :meth:`checkpoint_name` gives it;
-        any other item passes unchanged (the bucketing refuses it with its reason)."""
+        """``named_tensors`` lazily, each ``(str, tensor)`` pair under its checkpoint name
+        (:meth:`checkpoint_name`), and a transformers >= 5 fused expert parameter (Qwen3-MoE's
+        ``mlp.experts.gate_up_proj`` ``(E, 2*I, H)``, ``down_proj`` ``(E, H, I)``) as its per-expert
+        checkpoint tensors, views of it (:func:`~sgl_rollout.checkpoint_names.tensor_renamer`); any other
+        item passes unchanged (the bucketing refuses it with its reason).
+
+        Raises:
+            ValueError: a fused parameter whose shape does not fit transformers' fusion of it.
+        """
+        self._read_renamers()
         for item in named_tensors:
             ok = isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-            yield (self.checkpoint_name(item[0]), item[1]) if ok else item
+            if ok and self._tensor_renamer is not None:
+                yield from self._tensor_renamer(item[0], item[1])
+            else:
+                yield item
 
     @property
     def manifest(self) -> Optional[WeightManifest]:
