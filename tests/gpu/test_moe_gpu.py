@@ -98,8 +98,10 @@ def _bit_exact_then_greedy(tmp_path, tp, ep=1):
         slow = _digest(worker)
         assert fast != start
         assert slow == fast, [f"rank {r}: {n}" for r in range(tp) for n in fast[r] if fast[r][n] != slow[r][n]]
-        # fp32 trainer tensors, cast into the bf16 buffer in the gather: the same bits
-        worker.update_weights([(n, t.float()) for n, t in qwen3_moe_checkpoint_tensors(b)])
+        # the trainer's own parameters (transformers 5: fused experts, which the worker splits into per-expert
+        # views, SyncPath.renamed) in fp32 (cast into the bf16 buffer in the gather), written over A: the same bits
+        worker.update_weights(qwen3_moe_checkpoint_tensors(a), partial=True)
+        worker.update_weights([(n, p.detach().float()) for n, p in b.named_parameters()])
         assert _digest(worker) == fast
         per_rank = [_experts(ch) for ch in worker._fast.plan.chunks]
         n_experts = QWEN3_MOE_TINY["num_experts"]
