@@ -110,11 +110,14 @@ class RolloutWorker:
 
     # ----------------------------------------------------------------- API
     def generate(self, input_ids: List[List[int]], sampling_params: Optional[dict] = None, n: int = 1,
-                 return_logprob: bool = True, lora_path: Optional[str] = None) -> List[List[Generation]]:
+                 return_logprob: bool = True, lora_path: Optional[str] = None,
+                 image_data: Optional[List[Optional[list]]] = None) -> List[List[Generation]]:
         """Sample ``n`` completions per prompt; see :meth:`RolloutEngine.generate` (``lora_path``: a loaded
-        adapter's name, e.g. :meth:`update_adapter`'s ``name``)."""
+        adapter's name, e.g. :meth:`update_adapter`'s ``name``; ``image_data``: None, or per prompt None or
+        its images, in the order of their placeholder runs in its ids)."""
+        mm = {} if image_data is None else {"image_data": image_data}
         return self.engine.generate(input_ids, sampling_params, n=n, return_logprob=return_logprob,
-                                    lora_path=lora_path)
+                                    lora_path=lora_path, **mm)
 
     def update_adapter(self, adapter, peft_config, base_weights=None, offload_trainer=None, name: str = "policy"):
         """Staged wake with a LoRA adapter sync; base weights travel only when the engine lacks them

@@ -165,3 +165,25 @@ def test_the_extra_names_the_range_the_trainer_accepts():
     extra = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["trl"]
     assert extra == [f"trl{sgl_trl.TRL_REQUIREMENT}"]
+
+
+def test_images_reach_the_engine_with_their_prompts(model_dir, tmp_path):
+    """TRL hands ``_generate_single_turn`` one entry per prompt: None or that prompt's images (a vision-language
+    model's). They reach the engine as ``image_data``, each with its own prompt; a batch without images sends
+    none (a text-only engine call)."""
+    from PIL import Image
+
+    class ImageWorker(WorkerDouble):
+        def generate(self, input_ids, sampling_params, n=1, return_logprob=True, image_data=None):
+            self.images = image_data
+            return super().generate(input_ids, sampling_params, n=n, return_logprob=return_logprob)
+
+    worker = ImageWorker(model_dir)
+    trainer = _trainer(model_dir, tmp_path, worker)
+    red, blue = Image.new("RGB", (28, 28), (220, 30, 30)), Image.new("RGB", (28, 28), (30, 30, 220))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    ids, logprobs = trainer._generate_single_turn(prompts, [[red, blue], None, [blue]], None, 1)
+    assert worker.images == [[red, blue], None, [blue]]
+    assert len(ids) == 3 and [len(x) for x in ids] == [len(x) for x in logprobs]
+    trainer._generate_single_turn(prompts, [None, None, None], None, 1)
+    assert worker.images is None

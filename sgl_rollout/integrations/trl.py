@@ -43,10 +43,11 @@ colocate mode does with ``vllm_tensor_parallel_size=1`` (``trl/generation/vllm_g
 
 Not yet served (each refused in one line, at start-up or at the call): TRL's ``use_vllm``, models under
 DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), PEFT models, one TP engine across
-ranks (TRL's ``vllm_tensor_parallel_size > 1``), and images. TRL's tool-call loop (``tools=[...]``) calls the
-same seam: the engine stays awake through it and sleeps once after (``tests/test_trl_tools.py``). Ran on the CPU (``tests/test_trl.py``; ``tests/test_trl_dp.py``: 2 processes, gloo) with
-an engine double; on GPUs ``tests/gpu/test_trl_gpu.py``: 1 GPU passed on an H200, the 2-GPU case is
-written and not yet run.
+ranks (TRL's ``vllm_tensor_parallel_size > 1``). TRL's tool-call loop (``tools=[...]``) calls the same seam:
+the engine stays awake through it and sleeps once after (``tests/test_trl_tools.py``). Images (a
+vision-language model such as Qwen2.5-VL) reach the engine with their prompts. Ran on the CPU
+(``tests/test_trl.py``; ``tests/test_trl_dp.py``: 2 processes, gloo) with an engine double; on GPUs
+``tests/gpu/test_trl_gpu.py``: 1 GPU passed on an H200; its 2-GPU and image cases are written and not yet run.
 """
 
 from __future__ import annotations
@@ -271,11 +272,21 @@ class _SglGeneration:
         self.worker.update_weights(weights())
         self.synced_step, self.awake = step, True
 
-    def generate(self, trainer, prompt_ids) -> Tuple[List[List[int]], List[List[float]]]:
+    def generate(self, trainer, prompt_ids, images=None) -> Tuple[List[List[int]], List[List[float]]]:
         """The wake with ``trainer``'s weights, then one completion per prompt of ``prompt_ids``
-        (``List[List[int]]``); ``(completion ids, logprobs)``, both ``List[List]``, in prompt order."""
+        (``List[List[int]]``); ``(completion ids, logprobs)``, both ``List[List]``, in prompt order.
+
+        ``images``: TRL's, None or one entry per prompt, None or that prompt's ``PIL.Image``s in the order of
+        their placeholder runs in its ids (TRL's processor expanded each run; SGLang's multimodal processor
+        expands it again from the image, as for verl's requests). They reach the engine as ``image_data``,
+        as TRL's vLLM colocate mode hands vLLM ``multi_modal_data`` (``trl/generation/vllm_generation.py``)."""
         self.wake(trainer.state.global_step, trainer._trainer_weights)
-        gens = self.worker.generate([list(p) for p in prompt_ids], sampling_params_of(trainer), n=1)
+        ids, params = [list(p) for p in prompt_ids], sampling_params_of(trainer)
+        if images is not None and any(images):
+            image_data = [list(i) if i else None for i in images]
+            gens = self.worker.generate(ids, params, n=1, image_data=image_data)
+        else:
+            gens = self.worker.generate(ids, params, n=1)
         return [list(g[0].output_ids) for g in gens], [list(g[0].logprobs) for g in gens]
 
     def sleep(self, raise_errors: bool) -> None:
@@ -337,18 +348,19 @@ def _make_class():
             (:meth:`_SglGeneration.generate`). The first call of a generation (not one of TRL's tool loop,
             whose calls differ in number between ranks) is :func:`agreed` between ranks.
 
+            ``images`` (TRL's, one entry per prompt, a tool's images merged in) reach the engine as
+            ``image_data``; ``multimodal_fields`` (the processor's tensors, for TRL's own forward passes) do
+            not: SGLang's processor makes its own from the images.
+
             Raises:
-                NotImplementedError: images (not served yet).
                 SyncValidationError, MemoryStateError, EngineDeadError: from the worker, unchanged: the
                     trainer's process lives and the engine keeps its last good weights where the refusal
                     came before the first byte.
                 RankFailedError: another rank's call failed.
             """
-            if (images is not None and any(images)) or has_tool_images or multimodal_fields:
-                raise NotImplementedError("images: SglGRPOTrainer generates text only so far")
             if self.sgl.in_tool_loop:
-                return self.sgl.generate(self, prompt_ids)
-            return agreed(lambda: self.sgl.generate(self, prompt_ids), self.accelerator)
+                return self.sgl.generate(self, prompt_ids, images)
+            return agreed(lambda: self.sgl.generate(self, prompt_ids, images), self.accelerator)
 
         def _tool_call_loop(self, *args, **kwargs):
             """TRL's tool loop (each rank runs it once per generation when tools are set), :func:`agreed`."""

@@ -137,3 +137,46 @@ def test_two_ranks_data_parallel_each_engine_on_its_gpu_greedy_equals_hugging_fa
 
 if __name__ == "__main__":
     _rank_main(sys.argv[1], sys.argv[2])
+
+
+def test_grpo_on_a_vision_language_model_sends_each_prompts_image_to_the_engine(tmp_path):
+    """TRL's GRPOTrainer on a tiny random Qwen2.5-VL (``sgl_rollout.bench.vlm``): the dataset's ``image``
+    column becomes each prompt's image (TRL's ``prepare_multimodal_messages``), SGLang generates with it, 2
+    steps train on the completions; then greedy after the sync == Hugging Face's with the trainer's weights on
+    a text prompt. Written 2026-11-28 without a GPU run (the processor needs torchvision: the GPU host has it)."""
+    from PIL import Image
+    from trl import GRPOConfig
+
+    from sgl_rollout.bench.vlm import COLORS, make_qwen2_5_vl_dir
+    from sgl_rollout.integrations.trl import SglGRPOTrainer
+
+    model_dir = str(tmp_path / "vl")
+    make_qwen2_5_vl_dir(model_dir)
+    pictures = [Image.new("RGB", (56, 56), rgb) for rgb in list(COLORS.values()) * 3][:8]
+    ds = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": "What color is it?"}]] * len(pictures),
+                                     "image": pictures})
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=8, max_steps=2, report_to="none", logging_steps=1, save_strategy="no",
+                      bf16=True, gradient_checkpointing=False, beta=0.0, learning_rate=1e-3)
+    rollout = RolloutConfig(model_path=model_dir, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True,
+                            engine_kwargs=gpu_engine_flags())
+    trainer = SglGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                             args=args, train_dataset=ds, rollout=rollout)
+    seen = []
+    generate = trainer.sgl.worker.generate
+
+    def recorded(ids, params, n=1, image_data=None, **kw):
+        seen.append(image_data)
+        return generate(ids, params, n=n, image_data=image_data, **kw)
+
+    trainer.sgl.worker.generate = recorded
+    try:
+        trainer.train()
+        assert trainer.state.global_step == 2
+        assert seen and all(imgs is not None and all(len(i) == 1 for i in imgs) for imgs in seen)
+        model = trainer.accelerator.unwrap_model(trainer.model).eval()
+        trainer.sgl.wake(trainer.state.global_step, trainer._trainer_weights)
+        prompts = [[5, 6, 7, 8], [9, 10, 11]]
+        assert_greedy_equal(model.to(torch.bfloat16), prompts, engine_greedy(trainer.sgl.worker, prompts, 8))
+    finally:
+        trainer.sgl.worker.shutdown()
