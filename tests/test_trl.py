@@ -68,7 +68,7 @@ def model_dir(tmp_path_factory):
     return build_chat_model_dir(tmp_path_factory.mktemp("trl-model"), with_weights=True)
 
 
-def _trainer(model_dir, out_dir, worker, scored=None, **cfg):
+def _trainer(model_dir, out_dir, worker, scored=None, peft_config=None, **cfg):
     from trl import GRPOConfig
 
     def reward(completions, completion_ids, **kwargs):
@@ -82,7 +82,7 @@ def _trainer(model_dir, out_dir, worker, scored=None, **cfg):
                                 learning_rate=1e-2), **cfg})  # cfg overrides (tests/test_trl_dp.py: batch 3)
     ds = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "5+2=", "9+1=", "3+3="]})
     trainer = sgl_trl.SglGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=ds,
-                                     rollout=worker)
+                                     rollout=worker, peft_config=peft_config)
     worker.trainer = trainer
     return trainer
 

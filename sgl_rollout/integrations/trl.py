@@ -42,8 +42,9 @@ colocate mode does with ``vllm_tensor_parallel_size=1`` (``trl/generation/vllm_g
   collective (:class:`RankFailedError` on the others), instead of leaving them waiting in it.
 
 Not yet served (each refused in one line, at start-up or at the call): TRL's ``use_vllm``, models under
-DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), PEFT models, one TP engine across
-ranks (TRL's ``vllm_tensor_parallel_size > 1``). TRL's tool-call loop (``tools=[...]``) calls the same seam:
+DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), one TP engine across ranks (TRL's
+``vllm_tensor_parallel_size > 1``), LoRA variants such as DoRA. A PEFT model (TRL's ``peft_config``) syncs
+its merged weights, as TRL's vLLM colocate mode does, computed out of place (:func:`merged_adapter_weights`). TRL's tool-call loop (``tools=[...]``) calls the same seam:
 the engine stays awake through it and sleeps once after (``tests/test_trl_tools.py``). Images (a
 vision-language model such as Qwen2.5-VL) reach the engine with their prompts. Ran on the CPU
 (``tests/test_trl.py``; ``tests/test_trl_dp.py``: 2 processes, gloo) with an engine double; on GPUs
@@ -53,7 +54,7 @@ vision-language model such as Qwen2.5-VL) reach the engine with their prompts. R
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -124,8 +125,6 @@ def _refusal(args, model) -> Optional[str]:
     """Why this trainer cannot serve ``args`` / ``model`` yet (None: it can)."""
     if getattr(args, "use_vllm", False):
         return "use_vllm=True: SglGRPOTrainer generates on SGLang; leave use_vllm False"
-    if getattr(model, "peft_config", None):
-        return "a PEFT model: SglGRPOTrainer does not merge or serve adapters yet"
     return None
 
 
@@ -147,12 +146,17 @@ def _tensor_parallel_size(rollout) -> int:
 
 
 def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
-    """Why a built trainer cannot be served yet (None: it can): sharded parameters, one TP engine across
-    ranks, or per-rank SGLang settings given once for all ranks (:data:`PER_RANK_SERVER_ARGS`)."""
+    """Why a built trainer cannot be served yet (None: it can): sharded parameters, a LoRA variant (DoRA, ...),
+    one TP engine across ranks, or per-rank SGLang settings given once for all ranks
+    (:data:`PER_RANK_SERVER_ARGS`)."""
     from ..config import RolloutConfig
 
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         return "DeepSpeed or FSDP: SglGRPOTrainer gathers no sharded parameters yet"
+    model = getattr(trainer, "model", None)
+    variant = next(filter(None, map(_lora_variant, model.modules() if hasattr(model, "modules") else ())), None)
+    if variant:
+        return f"LoRA variant {variant} (DoRA and the like): SglGRPOTrainer merges plain LoRA adapters only"
     procs, tp = trainer.accelerator.num_processes, _tensor_parallel_size(rollout)
     if procs > 1 and tp > 1:
         return (f"tensor_model_parallel_size={tp} with {procs} processes: one TP engine across ranks (TRL's "
@@ -245,6 +249,83 @@ def agreed(call, accelerator):
     return out
 
 
+def _base_name(name: str, prefix: str) -> Optional[str]:
+    """A PEFT model's parameter name as the base model (and the engine) spell it, or None for a parameter the
+    engine has no place for: the adapter's own (``prefix``, ``lora_``) and a ``modules_to_save`` copy's
+    ``original_module``. The rules of TRL's vLLM sync (``trl/generation/vllm_generation.py``): drop
+    ``base_model.model.``, ``.base_layer`` and ``modules_to_save.default.``."""
+    if prefix in name or "original_module" in name:
+        return None
+    return name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")
+
+
+def _lora_variant(layer) -> Optional[str]:
+    """The name of the first LoRA variant (DoRA and the like: PEFT's ``lora_variant``) of ``layer``'s adapters."""
+    variants = getattr(layer, "lora_variant", None) or {}
+    return type(next(iter(variants.values()))).__name__ if variants else None
+
+
+def _with_adapters(layer, kind: str, tensor):
+    """``tensor`` (``layer``'s base ``weight`` or ``bias``) plus each active adapter's delta, out of place:
+    PEFT's own ``merge`` arithmetic (``peft/tuners/lora/layer.py``: ``W += get_delta_weight(a)``, the bias
+    ``+= lora_B.bias * scaling``), bit for bit, without touching the trainer's parameters.
+
+    Raises:
+        ValueError: a LoRA variant (DoRA, ...), whose merge is not a delta.
+    """
+    import torch
+
+    if layer.merged or layer.disable_adapters:
+        return tensor
+    with torch.no_grad():
+        for adapter in layer.active_adapters:
+            if adapter not in layer.lora_A.keys():
+                continue
+            if adapter in (getattr(layer, "lora_variant", None) or {}):
+                raise ValueError(f"LoRA variant {_lora_variant(layer)} (adapter {adapter!r}): SglGRPOTrainer merges "
+                                 "plain LoRA adapters only")
+            if kind == "weight":
+                tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            elif layer.lora_bias[adapter]:
+                tensor = tensor + (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(tensor.dtype)
+    return tensor
+
+
+def merged_adapter_weights(model) -> Iterator[Tuple[str, Any]]:
+    """A PEFT (LoRA) model's weights with its active adapters merged in, under the base model's names
+    (:func:`_base_name`), lazily, one tensor at a time: what TRL's vLLM colocate mode sends for a PEFT model
+    (``VLLMGeneration._iter_params``), but computed out of place (:func:`_with_adapters`) where TRL merges in
+    place and unmerges after, which leaves the trainer's base weights off by the rounding of ``W + d - d``
+    at every sync and merged if the sync fails between the two. A weight without an adapter is the
+    parameter itself (no copy); a merged one is a new tensor of the parameter's shape and dtype.
+
+    Raises:
+        ValueError: a LoRA variant (DoRA, ...) (:func:`_with_adapters`).
+    """
+    from peft.tuners.lora import LoraLayer
+
+    owners = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoraLayer):
+            owners[f"{prefix}.base_layer.weight"] = (module, "weight")
+            owners[f"{prefix}.base_layer.bias"] = (module, "bias")
+    for name, param in model.named_parameters():
+        base = _base_name(name, model.prefix)
+        if base is None:
+            continue
+        owner = owners.get(name)
+        yield base, (param.detach() if owner is None else _with_adapters(owner[0], owner[1], param.detach()))
+
+
+def policy_weights(model):
+    """The policy's parameters, Hugging Face names, as the engine is to hold them: ``(name, tensor)`` pairs of
+    ``model`` (the trainer's unwrapped model); for a PEFT model (TRL's ``peft_config``) its merged weights under
+    the base model's names, made one at a time as the sync reads them (:func:`merged_adapter_weights`)."""
+    if getattr(model, "peft_config", None):
+        return merged_adapter_weights(model)
+    return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
 class _SglGeneration:
     """The generation side of :class:`SglGRPOTrainer` (its ``sgl``): the worker, made on first use from a
     :class:`~sgl_rollout.config.RolloutConfig` (this rank's, :func:`rank_rollout_config`), whether the
@@ -320,7 +401,7 @@ def _make_class():
         Raises:
             UnsupportedTRLVersion: the installed TRL is outside :data:`SUPPORTED_TRL`.
             ValueError: ``rollout`` is missing, or a setting this trainer does not serve yet (TRL's
-                ``use_vllm``, a PEFT model, DeepSpeed ZeRO-3 or FSDP, TP > 1 with several processes), in one line.
+                ``use_vllm``, DeepSpeed ZeRO-3 or FSDP, TP > 1 with several processes), in one line.
             LayoutError: several processes and no free port block (:func:`rank_rollout_config`).
         """
 
@@ -337,10 +418,9 @@ def _make_class():
                 raise ValueError(why)
             self.sgl = _SglGeneration(rank_rollout_config(rollout, self.accelerator))
 
-        def _trainer_weights(self) -> List[Tuple[str, Any]]:
-            """The policy's parameters (this rank's replica), Hugging Face names, as the engine is to hold them."""
-            model = self.accelerator.unwrap_model(self.model)
-            return [(n, p.detach()) for n, p in model.named_parameters()]
+        def _trainer_weights(self):
+            """:func:`policy_weights` of this rank's replica."""
+            return policy_weights(self.accelerator.unwrap_model(self.model))
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                                   has_tool_images=False):
