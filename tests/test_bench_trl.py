@@ -68,3 +68,25 @@ def test_main_runs_each_side_in_its_own_process_and_reports_a_failed_one(tmp_pat
     got = json.loads((tmp_path / "comparison.json").read_text())
     assert got["failed"] == ["transformers"] and got["summary"]["ours"]["sync_s"] == 0.1
     assert "side transformers failed" in capsys.readouterr().out
+
+
+def test_the_vllm_side_is_trls_colocate_mode_and_passes_trls_own_config_checks(tmp_path):
+    """Side ``vllm`` (needs vLLM, never run here): the same run settings plus TRL's colocate mode with vLLM's
+    sleep mode and the engine's memory share, through TRL's own ``GRPOConfig`` (its ``__post_init__`` checks)."""
+    from trl import GRPOConfig
+
+    args = _args(gpu_memory_utilization=0.25)
+    ours = trl_compare.side_config("ours", args, False, tmp_path)
+    vllm = trl_compare.side_config("vllm", args, False, tmp_path)
+    assert {k: v for k, v in vllm.items() if k not in ("output_dir",)} == \
+        {**{k: v for k, v in ours.items() if k != "output_dir"}, "use_vllm": True, "vllm_mode": "colocate",
+         "vllm_enable_sleep_mode": True, "vllm_gpu_memory_utilization": 0.25}
+    cfg = GRPOConfig(**vllm)
+    assert cfg.use_vllm and cfg.vllm_mode == "colocate" and cfg.vllm_gpu_memory_utilization == 0.25
+    assert build_parser().parse_args(["trl"]).sides == "ours,transformers"
+    lines = trl_compare.table({"ours": {f: 1.0 for f in trl_compare.FIELDS},
+                               "vllm": {f: 2.0 for f in trl_compare.FIELDS},
+                               "transformers": {f: 4.0 for f in trl_compare.FIELDS}})
+    assert lines[0] == "| per step (median after the first) | ours | vllm | transformers | ours / vllm | " \
+                       "ours / transformers |"
+    assert "| step_s | 1.000 | 2.000 | 4.000 | 0.50x | 0.25x |" in lines

@@ -12,8 +12,12 @@ device memory in the trainer's process during the step, GB = 1e9 bytes; the engi
 SGLang's processes and not in it) and ``reward`` (TRL's logged mean). ``comparison.json`` and the printed
 table give medians over the steps after the first, and ours / transformers.
 
-TRL's vLLM colocate mode (issue 48's side (b)) needs vLLM on the host and is not a side of this command
-yet. Ran on the CPU only (``tests/test_bench_trl.py``, the ``ours`` side on an engine double).
+Side ``vllm`` (issue 48's side (b), ``--sides ours,vllm,transformers``) is TRL's own vLLM colocate mode
+(``use_vllm=True, vllm_mode="colocate"``, vLLM's sleep mode on, ``--gpu-memory-utilization`` as vLLM's share):
+its ``sync_s`` is TRL's ``VLLMGeneration.sync_weights`` (the per-parameter ``load_weights`` push). It needs
+vLLM in the environment (TRL 1.16 takes vllm 0.22-0.31) and has never run: no vLLM on the CPU test machine or
+on this project's GPU host yet. The other two sides ran on the CPU only (``tests/test_bench_trl.py``, the
+``ours`` side on an engine double).
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-#: The sides, in the order they run.
-SIDES = ("ours", "transformers")
+#: The sides a run can name, in the order they run (``--sides`` picks; the default leaves ``vllm`` out).
+SIDES = ("ours", "vllm", "transformers")
+DEFAULT_SIDES = ("ours", "transformers")
 #: Per-step fields of a side's record, in the table's order.
 FIELDS = ("step_s", "gen_s", "sync_s", "peak_gb", "reward")
 
@@ -37,11 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``trl`` subcommand's options."""
     p.add_argument("--model", help="Hugging Face model folder (default: the demo's SmolLM2-135M-Instruct)")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--sides", default=",".join(SIDES), help="which sides to run, in order")
+    p.add_argument("--sides", default=",".join(DEFAULT_SIDES),
+                   help=f"which sides to run, in order, of {','.join(SIDES)} (vllm needs vLLM installed)")
     p.add_argument("--batch", type=int, default=8, help="per-device train batch (completions per step)")
     p.add_argument("--num-generations", type=int, default=4)
     p.add_argument("--max-completion-length", type=int, default=64)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="SGLang's share of the GPU (ours)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
+                   help="the engine's share of the GPU (SGLang's on side ours, vLLM's on side vllm)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/trl-compare")
 
@@ -81,6 +88,19 @@ def _timed(trainer, name: str, into: Dict[str, float], key: str) -> None:
     setattr(trainer, name, timed)
 
 
+def side_config(side: str, args: argparse.Namespace, cuda: bool, out_dir: Path) -> dict:
+    """``GRPOConfig``'s arguments for ``side``: the same batch, group, completion length, steps and seed on
+    every side; side ``vllm`` adds TRL's colocate mode with vLLM's sleep mode and its memory share."""
+    cfg = dict(output_dir=str(out_dir / f"{side}-trainer"), per_device_train_batch_size=args.batch,
+               num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+               max_steps=args.steps, report_to="none", logging_steps=1, save_strategy="no", seed=args.seed,
+               use_cpu=not cuda, bf16=cuda, gradient_checkpointing=False, beta=0.0)
+    if side == "vllm":
+        cfg.update(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=True,
+                   vllm_gpu_memory_utilization=args.gpu_memory_utilization)
+    return cfg
+
+
 def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
              worker_factory: Optional[Callable[[str], object]] = None) -> List[dict]:
     """Train ``args.steps`` steps on ``side`` in this process; returns (and writes ``<out>/<side>.jsonl``)
@@ -100,10 +120,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
     if side not in SIDES:
         raise ValueError(f"unknown side {side!r}; one of {SIDES}")
     cuda = torch.cuda.is_available()
-    cfg = GRPOConfig(output_dir=str(out_dir / f"{side}-trainer"), per_device_train_batch_size=args.batch,
-                     num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-                     max_steps=args.steps, report_to="none", logging_steps=1, save_strategy="no", seed=args.seed,
-                     use_cpu=not cuda, bf16=cuda, gradient_checkpointing=False, beta=0.0)
+    cfg = GRPOConfig(**side_config(side, args, cuda, out_dir))
     data = problems_dataset(max(64, args.steps * args.batch), args.seed)
     common = dict(model=model_dir, reward_funcs=problem_reward, args=cfg, train_dataset=data)
     if side == "ours":
@@ -121,6 +138,8 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
     _timed(trainer, "_generate", now, "gen_s")
     if side == "ours":
         _timed(trainer.sgl.worker, "update_weights", now, "sync_s")
+    elif side == "vllm":
+        _timed(trainer.vllm_generation, "sync_weights", now, "sync_s")
 
     class Record(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
@@ -156,15 +175,19 @@ def summarize(rows_by_side: Dict[str, List[dict]]) -> Dict[str, Dict[str, Option
 
 
 def table(summary: Dict[str, Dict[str, Optional[float]]]) -> List[str]:
-    """The printed comparison: one row per field, a column per side, and ours / transformers."""
+    """The printed comparison: one row per field, a column per side, then ours / each other side run
+    (``ours / vllm`` when side ``vllm`` ran, ``ours / transformers``)."""
     sides = [s for s in SIDES if s in summary]
-    lines = ["| per step (median after the first) | " + " | ".join(sides) + " | ours / transformers |",
-             "| --- | " + " | ".join("---:" for _ in sides) + " | ---: |"]
+    others = [s for s in sides if s != "ours"]
+    lines = ["| per step (median after the first) | " + " | ".join(sides + [f"ours / {o}" for o in others]) + " |",
+             "| --- | " + " | ".join("---:" for _ in sides + others) + " |"]
     for f in FIELDS:
-        vals = [summary[s][f] for s in sides]
-        cells = " | ".join("n/a" if v is None else f"{v:.3f}" for v in vals)
-        o, t = summary.get("ours", {}).get(f), summary.get("transformers", {}).get(f)
-        lines.append(f"| {f} | {cells} | " + (f"{o / t:.2f}x" if o is not None and t else "n/a") + " |")
+        cells = ["n/a" if (v := summary[s][f]) is None else f"{v:.3f}" for s in sides]
+        ours = summary.get("ours", {}).get(f)
+        for o in others:
+            theirs = summary[o][f]
+            cells.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
     return lines
 
 
