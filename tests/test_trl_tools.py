@@ -13,6 +13,8 @@ import torch
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
+from test_trl import WorkerDouble  # noqa: E402
+
 from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir  # noqa: E402
 from sgl_rollout.engine import Generation  # noqa: E402
 from sgl_rollout.integrations import trl as sgl_trl  # noqa: E402
@@ -31,26 +33,17 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-class ToolCallingWorker:
-    """RolloutWorker double that calls ``add`` first and answers after the tool's result: its completion is
-    :data:`CALL` for a prompt without a tool response, :data:`ANSWER` for one with, cut at
-    ``max_new_tokens``; each token's logprob is the Hugging Face model's (teacher-forced, float32), as an
-    engine would report under the synced weights."""
+class ToolCallingWorker(WorkerDouble):
+    """The engine double of ``test_trl`` answering like a model that calls ``add`` first and answers after
+    the tool's result: its completion is :data:`CALL` for a prompt without a tool response, :data:`ANSWER`
+    for one with, cut at ``max_new_tokens``; each token's logprob is the Hugging Face model's (teacher-forced,
+    float32), as an engine would report under the synced weights."""
 
     def __init__(self, model_dir):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.params = dict(self.model.named_parameters())
-        self.asleep, self.events, self.prompts = False, [], []
-
-    def update_weights(self, named_tensors):
-        with torch.no_grad():
-            for n, t in named_tensors:
-                self.params[n].copy_(t)
-        self.asleep = False
-        self.events.append("sync")
+        super().__init__(model_dir)
+        self.tok, self.prompts = AutoTokenizer.from_pretrained(model_dir), []
 
     def _logprobs(self, prompt, ids):
         with torch.no_grad():
@@ -68,12 +61,6 @@ class ToolCallingWorker:
             out.append([Generation(ids, self._logprobs(prompt, ids), "stop")])
         self.events.append("generate")
         return out
-
-    def sleep(self):
-        assert not self.asleep
-        self.asleep = True
-        self.events.append("sleep")
-        return ["weights", "kv_cache"]
 
 
 @pytest.fixture(scope="module")
