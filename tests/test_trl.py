@@ -130,8 +130,8 @@ def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_p
         sgl_trl.SglGRPOTrainer  # noqa: B018 - the import a script makes
     from types import SimpleNamespace
 
-    def built(ds=False, fsdp=False, procs=1):
-        return SimpleNamespace(is_deepspeed_enabled=ds, is_fsdp_enabled=fsdp,
+    def built(ds=False, fsdp=False, procs=1, tools=None):
+        return SimpleNamespace(is_deepspeed_enabled=ds, is_fsdp_enabled=fsdp, tools=tools,
                                accelerator=SimpleNamespace(num_processes=procs))
 
     from sgl_rollout.config import RolloutConfig
@@ -139,8 +139,12 @@ def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_p
     assert sgl_trl._refusal_after_init(built()) is None
     assert "FSDP" in sgl_trl._refusal_after_init(built(fsdp=True))
     assert sgl_trl._refusal_after_init(built(procs=2), RolloutConfig(model_path=model_dir)) is None  # data parallel
-    tp2 = sgl_trl._refusal_after_init(built(procs=2), RolloutConfig(model_path=model_dir, tensor_model_parallel_size=2))
-    assert "not built yet" in tp2 and "\n" not in tp2
+    tp2 = RolloutConfig(model_path=model_dir, tensor_model_parallel_size=2)
+    assert sgl_trl._refusal_after_init(built(procs=2), tp2) is None  # one TP engine for the 2 ranks
+    assert sgl_trl._refusal_after_init(built(procs=4), tp2) is None  # two of them
+    odd = sgl_trl._refusal_after_init(built(procs=3), tp2)
+    assert "multiple" in odd and "\n" not in odd
+    assert "tool loop" in sgl_trl._refusal_after_init(built(procs=2, tools=[len]), tp2)
     assert sgl_trl._refusal_after_init(built(procs=1), RolloutConfig(model_path=model_dir, tensor_model_parallel_size=2)) is None
     pinned = RolloutConfig(model_path=model_dir, engine_kwargs={"base_gpu_id": 1})
     assert "['base_gpu_id']" in sgl_trl._refusal_after_init(built(procs=2), pinned)

@@ -80,6 +80,27 @@ def _bad_scenario(model_dir, out_dir, rank_worker, rank):
         return {"error": type(err).__name__, "message": str(err), "events": worker.events}
 
 
+def _tp_scenario(model_dir, out_dir, rank_worker, rank, refuse=False):
+    """``tensor_model_parallel_size=2`` over the 2 ranks: one engine (rank 0's double) serves both; rank 1's
+    double is given too and must never be called. ``refuse``: the leader's engine refuses its first sync."""
+    from types import SimpleNamespace
+
+    from test_trl import _trainer
+
+    worker = rank_worker(model_dir, refuse=refuse and rank == 0)
+    worker.config = SimpleNamespace(tensor_model_parallel_size=2)
+    scored = []
+    trainer = _trainer(model_dir, out_dir / ("tp-bad" if refuse else "tp"), worker, scored,
+                       per_device_train_batch_size=BATCH, num_generations=NUM_GENERATIONS)
+    try:
+        trainer.train()
+        error = None
+    except Exception as err:  # noqa: BLE001 - the test reads which error each rank got
+        error = (type(err).__name__, str(err))
+    return {"error": error, "events": worker.events, "inputs": worker.inputs, "scored": scored,
+            "generated": worker.generated, "leader": trainer.sgl.engine_here}
+
+
 def _rank_config(model_dir, accelerator):
     """This rank's engine settings from one RolloutConfig that all ranks share."""
     from sgl_rollout.config import RolloutConfig
@@ -113,6 +134,8 @@ def _rank_main(model_dir, out_dir):
 
     result["config"] = _rank_config(model_dir, PartialState())
     result["bad"] = _bad_scenario(model_dir, out_dir / f"rank{rank}", RankWorker, rank)
+    result["tp"] = _tp_scenario(model_dir, out_dir / f"rank{rank}", RankWorker, rank)
+    result["tp_bad"] = _tp_scenario(model_dir, out_dir / f"rank{rank}", RankWorker, rank, refuse=True)
     torch.save(result, out_dir / f"rank{rank}.pt")
     torch.distributed.destroy_process_group()
     sys.stdout.flush()
@@ -222,3 +245,29 @@ def test_a_refused_sync_on_one_rank_fails_both_ranks_clearly_without_a_hang(rank
     assert first["error"] == "RankFailedError" and "\n" not in first["message"]
     assert "rank 1 of 2" in first["message"] and "up_proj" in first["message"]
     assert first["events"] == ["sync", "generate", "sleep"]  # rank 0's engine was put back to sleep
+
+
+def test_a_tp_engine_shared_by_both_ranks_generates_for_both(ranks):
+    """``tensor_model_parallel_size=2`` over 2 processes (TRL's ``vllm_tensor_parallel_size=2``): rank 0 leads,
+    its engine syncs from its replica and generates both ranks' prompts in one call per generation, rank 0's
+    first; each rank scores its own share; rank 1's engine is never touched."""
+    _, results = ranks
+    lead, member = (r["tp"] for r in results)
+    assert lead["error"] is None and member["error"] is None
+    assert lead["leader"] and not member["leader"]
+    assert member["events"] == [] and member["inputs"] == []
+    assert lead["events"] == ["sync", "generate", "sleep"] * 2
+    assert [len(call) for call in lead["inputs"]] == [2 * BATCH] * 2
+    for step in range(2):  # each rank got back the completions of its own prompts
+        mine = lead["generated"][step * 2 * BATCH:(step + 1) * 2 * BATCH]
+        assert lead["scored"][step * BATCH:(step + 1) * BATCH] == mine[:BATCH]
+        assert member["scored"][step * BATCH:(step + 1) * BATCH] == mine[BATCH:]
+
+
+def test_a_failing_tp_leader_stops_its_member_clearly_without_a_hang(ranks):
+    _, results = ranks
+    lead, member = (r["tp_bad"] for r in results)
+    assert lead["error"][0] == "SyncValidationError" and "up_proj" in lead["error"][1]
+    assert member["error"][0] == "RankFailedError" and "leader" in member["error"][1]
+    assert "up_proj" in member["error"][1] and "\n" not in member["error"][1]
+    assert lead["events"] == [] and member["events"] == []

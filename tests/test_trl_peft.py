@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 from test_trl import WorkerDouble, _trainer  # noqa: E402
 
 from sgl_rollout.errors import SyncValidationError  # noqa: E402
-from sgl_rollout.integrations import trl as sgl_trl  # noqa: E402
+from sgl_rollout.integrations import trl_peft  # noqa: E402
 
 
 def _lora():
@@ -89,8 +89,8 @@ def test_dora_is_refused_in_one_line(model_dir, tmp_path):
 
 
 def test_base_names_follow_trls_vllm_rules():
-    assert sgl_trl._base_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight", "lora_") == \
+    assert trl_peft._base_name("base_model.model.model.layers.0.mlp.up_proj.base_layer.weight", "lora_") == \
         "model.layers.0.mlp.up_proj.weight"
-    assert sgl_trl._base_name("base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight", "lora_") is None
-    assert sgl_trl._base_name("base_model.model.lm_head.modules_to_save.default.weight", "lora_") == "lm_head.weight"
-    assert sgl_trl._base_name("base_model.model.lm_head.original_module.weight", "lora_") is None
+    assert trl_peft._base_name("base_model.model.model.layers.0.mlp.up_proj.lora_A.default.weight", "lora_") is None
+    assert trl_peft._base_name("base_model.model.lm_head.modules_to_save.default.weight", "lora_") == "lm_head.weight"
+    assert trl_peft._base_name("base_model.model.lm_head.original_module.weight", "lora_") is None

@@ -41,23 +41,37 @@ colocate mode does with ``vllm_tensor_parallel_size=1`` (``trl/generation/vllm_g
 * an engine call that fails on one rank fails every rank at the same point, before TRL's next
   collective (:class:`RankFailedError` on the others), instead of leaving them waiting in it.
 
+With ``tensor_model_parallel_size`` T > 1 over several processes, as TRL's ``vllm_tensor_parallel_size=T``,
+each T consecutive ranks share one TP engine, started by the first of them over its GPU and the next T - 1;
+it generates all their prompts, gathered, and each rank gets its own answers back
+(:class:`~.trl_ranks.TPGroupRanks`).
+
+Also served: a PEFT model (TRL's ``peft_config``) syncs its merged weights, as TRL's vLLM colocate mode does,
+computed out of place (:mod:`.trl_peft`); TRL's tool-call loop (``tools=[...]``) calls the same seam, the
+engine stays awake through it and sleeps once after; images (a vision-language model such as Qwen2.5-VL)
+reach the engine with their prompts.
+
 Not yet served (each refused in one line, at start-up or at the call): TRL's ``use_vllm``, models under
-DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), one TP engine across ranks (TRL's
-``vllm_tensor_parallel_size > 1``), LoRA variants such as DoRA. A PEFT model (TRL's ``peft_config``) syncs
-its merged weights, as TRL's vLLM colocate mode does, computed out of place (:func:`merged_adapter_weights`). TRL's tool-call loop (``tools=[...]``) calls the same seam:
-the engine stays awake through it and sleeps once after (``tests/test_trl_tools.py``). Images (a
-vision-language model such as Qwen2.5-VL) reach the engine with their prompts. Ran on the CPU
-(``tests/test_trl.py``; ``tests/test_trl_dp.py``: 2 processes, gloo) with an engine double; on GPUs
-``tests/gpu/test_trl_gpu.py``: 1 GPU passed on an H200; its 2-GPU and image cases are written and not yet run.
+DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), LoRA variants such as DoRA, tools with TP
+groups (their ranks run the tool loop a different number of times).
+
+Ran on the CPU with an engine double (``tests/test_trl.py``, ``test_trl_tools.py``, ``test_trl_peft.py``;
+``tests/test_trl_dp.py``: 2 processes over gloo, data parallel and one TP group); on GPUs
+``tests/gpu/test_trl_gpu.py``: 1 GPU passed on an H200; its 2-GPU (data parallel and TP=2) and image cases
+are written and not yet run.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
+
+from .trl_peft import _lora_variant, merged_adapter_weights, policy_weights
+from .trl_ranks import (PER_RANK_SERVER_ARGS, RankFailedError, TPGroupRanks, _tensor_parallel_size, agreed,
+                        rank_rollout_config)
 
 logger = logging.getLogger(__name__)
 
@@ -128,27 +142,10 @@ def _refusal(args, model) -> Optional[str]:
     return None
 
 
-#: SGLang ``ServerArgs`` fields :func:`rank_rollout_config` sets per rank when several processes run (a
-#: value given in ``engine_kwargs`` would be the same on every rank: two engines on one GPU or one port).
-PER_RANK_SERVER_ARGS = ("base_gpu_id", "gpu_id_step", "nccl_port", "port", "dist_init_addr")
-
-
-class RankFailedError(RuntimeError):
-    """Another rank's engine call failed in the same generation (several processes): raised on every rank
-    whose own call went well, at the same point as the failing rank's own error, so that no rank waits in
-    TRL's next collective for one that has stopped. The message names the rank and its error in one line."""
-
-
-def _tensor_parallel_size(rollout) -> int:
-    """The TP size of ``rollout`` (a RolloutConfig, or a worker with a ``config``); 1 when it has none."""
-    cfg = getattr(rollout, "config", rollout)
-    return int(getattr(cfg, "tensor_model_parallel_size", 1) or 1)
-
-
 def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
     """Why a built trainer cannot be served yet (None: it can): sharded parameters, a LoRA variant (DoRA, ...),
-    one TP engine across ranks, or per-rank SGLang settings given once for all ranks
-    (:data:`PER_RANK_SERVER_ARGS`)."""
+    TP groups that do not divide the processes or with tools, or per-rank SGLang settings given once for all
+    ranks (:data:`PER_RANK_SERVER_ARGS`)."""
     from ..config import RolloutConfig
 
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
@@ -158,9 +155,12 @@ def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
     if variant:
         return f"LoRA variant {variant} (DoRA and the like): SglGRPOTrainer merges plain LoRA adapters only"
     procs, tp = trainer.accelerator.num_processes, _tensor_parallel_size(rollout)
-    if procs > 1 and tp > 1:
-        return (f"tensor_model_parallel_size={tp} with {procs} processes: one TP engine across ranks (TRL's "
-                "vllm_tensor_parallel_size) is not built yet; use 1 (one engine per rank, data parallel)")
+    if procs > 1 and tp > 1 and procs % tp:
+        return (f"tensor_model_parallel_size={tp} with {procs} processes: the ranks share TP engines in groups "
+                f"of {tp} (TRL's vllm_tensor_parallel_size), so the processes must be a multiple of it")
+    if procs > 1 and tp > 1 and getattr(trainer, "tools", None):
+        return (f"tools with tensor_model_parallel_size={tp} over {procs} processes: a TP group's ranks run TRL's "
+                "tool loop a different number of times; use tensor_model_parallel_size=1 (an engine per rank)")
     given = sorted(k for k in PER_RANK_SERVER_ARGS if isinstance(rollout, RolloutConfig) and k in rollout.engine_kwargs)
     if procs > 1 and given:
         return (f"engine_kwargs {given} with {procs} processes: SglGRPOTrainer chooses these per rank (the rank's "
@@ -168,171 +168,23 @@ def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
     return None
 
 
-def rank_rollout_config(config, accelerator):
-    """This rank's engine settings when several processes run (accelerate's DDP): ``config`` with SGLang's
-    ``base_gpu_id`` = the rank's GPU (``accelerator.device.index``, which accelerate sets to
-    ``local_process_index % device_count`` in ``PartialState.set_device``, ``accelerate/state.py``; off CUDA,
-    as in the CPU tests, ``accelerator.local_process_index``), ``gpu_id_step`` 1, and ``nccl_port`` /
-    ``port`` from a port block of its own (:func:`sgl_rollout.engine.layout.replica_layout` with the local
-    rank as the replica rank, moved by whole strides of all ranks' blocks past ports in use here; the
-    verl path's way to keep engines on one host apart, ``engine/layout.py``). SGLang's other names are
-    per engine already (its ZMQ sockets are ``ipc://`` temporary files, ``PortArgs.init_new`` in
-    ``sglang/srt/server_args.py``; torch-memory-saver's state is per process). A ``random_seed`` in
-    ``engine_kwargs`` gets ``+ accelerator.process_index``, as TRL seeds each colocated vLLM with its rank
-    (``trl/generation/vllm_generation.py``): ranks given the same prompts must not draw the same samples.
-    Unset, SGLang draws one per engine.
-
-    Args:
-        config: a :class:`~sgl_rollout.config.RolloutConfig`, or anything else (a ready worker: returned
-            as it is).
-        accelerator: the trainer's ``accelerate.Accelerator``.
-
-    Returns:
-        ``config`` itself with one process; else a copy with the engine kwargs above.
-
-    Raises:
-        LayoutError: no free port block below :data:`sgl_rollout.engine.layout.MAX_PORT`.
-    """
-    from ..config import RolloutConfig
-    from ..engine.layout import port_is_free, replica_layout
-
-    if not isinstance(config, RolloutConfig) or accelerator.num_processes == 1:
-        return config
-    device = accelerator.device
-    gpu = device.index if device.type == "cuda" and device.index is not None else accelerator.local_process_index
-    layout = replica_layout(accelerator.local_process_index, 1, [[gpu]],
-                            n_replicas=accelerator.num_processes).first_free_block(port_is_free)
-    kwargs = dict(config.engine_kwargs, base_gpu_id=int(gpu), gpu_id_step=1, nccl_port=layout.nccl_port,
-                  port=layout.sglang_port)
-    if kwargs.get("random_seed") is not None:
-        kwargs["random_seed"] = int(kwargs["random_seed"]) + accelerator.process_index
-    return config.model_copy(update={"engine_kwargs": kwargs})
-
-
-def _one_line(err: BaseException, limit: int = 400) -> str:
-    """``"<type>: <message>"`` on one line, at most ``limit`` characters."""
-    text = " ".join(f"{type(err).__name__}: {err}".split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def agreed(call, accelerator):
-    """Run ``call()`` on every rank, then make every rank fail when any did.
-
-    Each rank must reach this point the same number of times, in the same order as TRL's collectives:
-    the failing rank re-raises its own error, the others raise :class:`RankFailedError` naming it. With
-    one process nothing is exchanged. One ``gather_object`` of a short string or None per call
-    (accelerate's ``all_gather_object``).
-
-    Returns:
-        what ``call()`` returned.
-
-    Raises:
-        whatever ``call()`` raised, on its rank; RankFailedError on the other ranks.
-    """
-    error: Optional[Exception] = None
-    out = None
-    try:
-        out = call()
-    except Exception as err:  # noqa: BLE001 - reported to every rank, then raised again below
-        error = err
-    if accelerator.num_processes > 1:
-        from accelerate.utils import gather_object
-
-        lines = gather_object([None if error is None else _one_line(error)])
-        failed = [(rank, line) for rank, line in enumerate(lines) if line is not None]
-        if failed and error is None:
-            rank, line = failed[0]
-            raise RankFailedError(f"rank {rank} of {accelerator.num_processes} failed in its generation "
-                                  f"({line}); rank {accelerator.process_index} stops with it")
-    if error is not None:
-        raise error
-    return out
-
-
-def _base_name(name: str, prefix: str) -> Optional[str]:
-    """A PEFT model's parameter name as the base model (and the engine) spell it, or None for a parameter the
-    engine has no place for: the adapter's own (``prefix``, ``lora_``) and a ``modules_to_save`` copy's
-    ``original_module``. The rules of TRL's vLLM sync (``trl/generation/vllm_generation.py``): drop
-    ``base_model.model.``, ``.base_layer`` and ``modules_to_save.default.``."""
-    if prefix in name or "original_module" in name:
-        return None
-    return name.removeprefix("base_model.model.").replace(".base_layer", "").replace("modules_to_save.default.", "")
-
-
-def _lora_variant(layer) -> Optional[str]:
-    """The name of the first LoRA variant (DoRA and the like: PEFT's ``lora_variant``) of ``layer``'s adapters."""
-    variants = getattr(layer, "lora_variant", None) or {}
-    return type(next(iter(variants.values()))).__name__ if variants else None
-
-
-def _with_adapters(layer, kind: str, tensor):
-    """``tensor`` (``layer``'s base ``weight`` or ``bias``) plus each active adapter's delta, out of place:
-    PEFT's own ``merge`` arithmetic (``peft/tuners/lora/layer.py``: ``W += get_delta_weight(a)``, the bias
-    ``+= lora_B.bias * scaling``), bit for bit, without touching the trainer's parameters.
-
-    Raises:
-        ValueError: a LoRA variant (DoRA, ...), whose merge is not a delta.
-    """
-    import torch
-
-    if layer.merged or layer.disable_adapters:
-        return tensor
-    with torch.no_grad():
-        for adapter in layer.active_adapters:
-            if adapter not in layer.lora_A.keys():
-                continue
-            if adapter in (getattr(layer, "lora_variant", None) or {}):
-                raise ValueError(f"LoRA variant {_lora_variant(layer)} (adapter {adapter!r}): SglGRPOTrainer merges "
-                                 "plain LoRA adapters only")
-            if kind == "weight":
-                tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
-            elif layer.lora_bias[adapter]:
-                tensor = tensor + (layer.lora_B[adapter].bias * layer.scaling[adapter]).to(tensor.dtype)
-    return tensor
-
-
-def merged_adapter_weights(model) -> Iterator[Tuple[str, Any]]:
-    """A PEFT (LoRA) model's weights with its active adapters merged in, under the base model's names
-    (:func:`_base_name`), lazily, one tensor at a time: what TRL's vLLM colocate mode sends for a PEFT model
-    (``VLLMGeneration._iter_params``), but computed out of place (:func:`_with_adapters`) where TRL merges in
-    place and unmerges after, which leaves the trainer's base weights off by the rounding of ``W + d - d``
-    at every sync and merged if the sync fails between the two. A weight without an adapter is the
-    parameter itself (no copy); a merged one is a new tensor of the parameter's shape and dtype.
-
-    Raises:
-        ValueError: a LoRA variant (DoRA, ...) (:func:`_with_adapters`).
-    """
-    from peft.tuners.lora import LoraLayer
-
-    owners = {}
-    for prefix, module in model.named_modules():
-        if isinstance(module, LoraLayer):
-            owners[f"{prefix}.base_layer.weight"] = (module, "weight")
-            owners[f"{prefix}.base_layer.bias"] = (module, "bias")
-    for name, param in model.named_parameters():
-        base = _base_name(name, model.prefix)
-        if base is None:
-            continue
-        owner = owners.get(name)
-        yield base, (param.detach() if owner is None else _with_adapters(owner[0], owner[1], param.detach()))
-
-
-def policy_weights(model):
-    """The policy's parameters, Hugging Face names, as the engine is to hold them: ``(name, tensor)`` pairs of
-    ``model`` (the trainer's unwrapped model); for a PEFT model (TRL's ``peft_config``) its merged weights under
-    the base model's names, made one at a time as the sync reads them (:func:`merged_adapter_weights`)."""
-    if getattr(model, "peft_config", None):
-        return merged_adapter_weights(model)
-    return [(n, p.detach()) for n, p in model.named_parameters()]
-
-
 class _SglGeneration:
     """The generation side of :class:`SglGRPOTrainer` (its ``sgl``): the worker, made on first use from a
     :class:`~sgl_rollout.config.RolloutConfig` (this rank's, :func:`rank_rollout_config`), whether the
     engine is awake, the training step whose weights it holds, and whether TRL's tool loop is running."""
 
-    def __init__(self, rollout):
-        self._rollout, self.synced_step, self.awake, self.in_tool_loop = rollout, None, False, False
+    def __init__(self, rollout, group: Optional[TPGroupRanks] = None):
+        self.group, self.engine_here = group, group is None or group.leader
+        self._rollout = rollout if self.engine_here else None  # a TP group's member: the leader's engine serves it
+        self.synced_step, self.awake, self.in_tool_loop = None, False, False
+
+    @classmethod
+    def of(cls, rollout, accelerator) -> "_SglGeneration":
+        """This rank's generation side: its engine settings (:func:`rank_rollout_config`) and, with a TP size
+        above 1 over several processes, its TP group (:class:`~.trl_ranks.TPGroupRanks`)."""
+        tp = _tensor_parallel_size(rollout)
+        group = TPGroupRanks(accelerator, tp) if tp > 1 and accelerator.num_processes > 1 else None
+        return cls(rank_rollout_config(rollout, accelerator), group)
 
     @property
     def worker(self):
@@ -347,8 +199,8 @@ class _SglGeneration:
         """Make the engine ready to generate with step ``step``'s weights: the staged wake with a weight
         sync (``weights()``: the trainer's ``(name, tensor)`` pairs) when the step changed or the engine
         sleeps (a sleep may have released the weights; a sync is always right, a wake without one is not
-        at sleep level 2)."""
-        if self.awake and self.synced_step == step:
+        at sleep level 2). Nothing on a TP group's member (its leader syncs the engine)."""
+        if not self.engine_here or (self.awake and self.synced_step == step):
             return
         self.worker.update_weights(weights())
         self.synced_step, self.awake = step, True
@@ -360,7 +212,20 @@ class _SglGeneration:
         ``images``: TRL's, None or one entry per prompt, None or that prompt's ``PIL.Image``s in the order of
         their placeholder runs in its ids (TRL's processor expanded each run; SGLang's multimodal processor
         expands it again from the image, as for verl's requests). They reach the engine as ``image_data``,
-        as TRL's vLLM colocate mode hands vLLM ``multi_modal_data`` (``trl/generation/vllm_generation.py``)."""
+        as TRL's vLLM colocate mode hands vLLM ``multi_modal_data`` (``trl/generation/vllm_generation.py``).
+
+        In a TP group (:class:`~.trl_ranks.TPGroupRanks`) the leader generates every member's prompts and each
+        rank gets its own back.
+
+        Raises:
+            RankFailedError: on a TP group's member, when its leader's call failed.
+        """
+        if self.group is not None:
+            return self.group.generate(lambda ids, imgs: self._generate_here(trainer, ids, imgs), prompt_ids, images)
+        return self._generate_here(trainer, prompt_ids, images)
+
+    def _generate_here(self, trainer, prompt_ids, images):
+        """:meth:`generate` on this process's engine."""
         self.wake(trainer.state.global_step, trainer._trainer_weights)
         ids, params = [list(p) for p in prompt_ids], sampling_params_of(trainer)
         if images is not None and any(images):
@@ -372,8 +237,9 @@ class _SglGeneration:
 
     def sleep(self, raise_errors: bool) -> None:
         """Release the engine's memory for training (by ``sleep_level``); a failure is raised when
-        ``raise_errors``, else logged (the generation's own error is the one to raise)."""
-        if not self.awake:
+        ``raise_errors``, else logged (the generation's own error is the one to raise). Nothing on a TP
+        group's member."""
+        if not self.engine_here or not self.awake:
             return
         try:
             self.worker.sleep()
@@ -401,7 +267,8 @@ def _make_class():
         Raises:
             UnsupportedTRLVersion: the installed TRL is outside :data:`SUPPORTED_TRL`.
             ValueError: ``rollout`` is missing, or a setting this trainer does not serve yet (TRL's
-                ``use_vllm``, DeepSpeed ZeRO-3 or FSDP, TP > 1 with several processes), in one line.
+                ``use_vllm``, DeepSpeed ZeRO-3 or FSDP, a TP size that does not divide the processes, tools
+                with TP groups), in one line.
             LayoutError: several processes and no free port block (:func:`rank_rollout_config`).
         """
 
@@ -416,7 +283,7 @@ def _make_class():
             why = _refusal_after_init(self, rollout)
             if why:
                 raise ValueError(why)
-            self.sgl = _SglGeneration(rank_rollout_config(rollout, self.accelerator))
+            self.sgl = _SglGeneration.of(rollout, self.accelerator)
 
         def _trainer_weights(self):
             """:func:`policy_weights` of this rank's replica."""
@@ -476,4 +343,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["PER_RANK_SERVER_ARGS", "RankFailedError", "SUPPORTED_TRL", "TRL_REQUIREMENT", "SglGRPOTrainer",
-           "UnsupportedTRLVersion", "agreed", "check_trl_version", "rank_rollout_config", "sampling_params_of"]
+           "TPGroupRanks", "UnsupportedTRLVersion", "agreed", "check_trl_version", "merged_adapter_weights",
+           "policy_weights", "rank_rollout_config", "sampling_params_of"]

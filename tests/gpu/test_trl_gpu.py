@@ -39,8 +39,9 @@ HERE = Path(__file__).resolve().parent
 TWO_GPU_DEADLINE_S = 280
 
 
-def _trainer(model_dir, out_dir, per_device_batch=4):
-    """TRL's GRPOTrainer on SGLang for 2 steps of ``per_device_batch`` completions a rank (4 per prompt)."""
+def _trainer(model_dir, out_dir, per_device_batch=4, tp=1):
+    """TRL's GRPOTrainer on SGLang for 2 steps of ``per_device_batch`` completions a rank (4 per prompt); ``tp``:
+    the engine's TP size (2 over 2 ranks: one engine for both, led by rank 0)."""
     from trl import GRPOConfig
 
     from sgl_rollout.integrations.trl import SglGRPOTrainer
@@ -50,7 +51,8 @@ def _trainer(model_dir, out_dir, per_device_batch=4):
                       bf16=True, gradient_checkpointing=False, beta=0.0, learning_rate=1e-3)
     fast = os.environ.get("SGL_ROLLOUT_GPU_FAST_SYNC")  # a rank process has no conftest: pass the suite's choice
     rollout = RolloutConfig(model_path=model_dir, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True,
-                            engine_kwargs=gpu_engine_flags(), **({"fast_sync": fast == "1"} if fast in ("0", "1") else {}))
+                            tensor_model_parallel_size=tp, engine_kwargs=gpu_engine_flags(),
+                            **({"fast_sync": fast == "1"} if fast in ("0", "1") else {}))
     ds = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "5+2=", "9+1=", "3+3=", "7+1=", "6+6="]})
     return SglGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                           args=args, train_dataset=ds, rollout=rollout)
@@ -65,19 +67,22 @@ def _train_then_greedy(trainer, model_dir) -> dict:
     prompts = [tok(q, add_special_tokens=False)["input_ids"] for q in ("1+1=", "the answer is", "7 and 8")]
     try:
         trainer.train()
-        assert trainer.state.global_step == 2 and trainer.sgl.synced_step == 1
         model = trainer.accelerator.unwrap_model(trainer.model).eval()
         digest = hashlib.sha256()
         for _, p in model.named_parameters():
             digest.update(p.detach().float().cpu().numpy().tobytes())
+        if not trainer.sgl.engine_here:  # a TP group's member: its leader's engine served it
+            return {"base_gpu_id": None, "device": str(trainer.accelerator.device), "weights_sha256": digest.hexdigest()}
+        assert trainer.state.global_step == 2 and trainer.sgl.synced_step == 1
         trainer.sgl.wake(trainer.state.global_step, trainer._trainer_weights)  # step 2's weights, synced
         got = engine_greedy(trainer.sgl.worker, prompts, 8)
         assert_greedy_equal(model.to(torch.bfloat16), prompts, got)
         info = trainer.sgl.worker.engine.server_info()
-        return {"base_gpu_id": info.get("base_gpu_id"), "nccl_port": info.get("nccl_port"),
+        return {"base_gpu_id": info.get("base_gpu_id"), "nccl_port": info.get("nccl_port"), "tp_size": info.get("tp_size"),
                 "device": str(trainer.accelerator.device), "weights_sha256": digest.hexdigest()}
     finally:
-        trainer.sgl.worker.shutdown()
+        if trainer.sgl.worker is not None:
+            trainer.sgl.worker.shutdown()
 
 
 def test_grpo_steps_on_sglang_then_greedy_equals_hugging_face_with_the_trainers_weights(tmp_path):
@@ -86,9 +91,9 @@ def test_grpo_steps_on_sglang_then_greedy_equals_hugging_face_with_the_trainers_
 
 
 # ------------------------------------------------------------------------------------------- 2 GPUs
-def _rank_main(model_dir, out_dir):
-    """One rank of the 2-GPU case (started by ``accelerate launch``): train, check, write ``rank<r>.json``."""
-    trainer = _trainer(model_dir, Path(out_dir) / "trainer")
+def _rank_main(model_dir, out_dir, tp):
+    """One rank of the 2-GPU cases (started by ``accelerate launch``): train, check, write ``rank<r>.json``."""
+    trainer = _trainer(model_dir, Path(out_dir) / "trainer", tp=int(tp))
     result = _train_then_greedy(trainer, model_dir)
     result.update(rank=trainer.accelerator.process_index, local_rank=trainer.accelerator.local_process_index)
     (Path(out_dir) / f"rank{result['rank']}.json").write_text(json.dumps(result))
@@ -106,7 +111,10 @@ def _free_port():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_ranks_data_parallel_each_engine_on_its_gpu_greedy_equals_hugging_face(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_two_ranks_each_engine_on_its_gpus_greedy_equals_hugging_face(tmp_path, tp):
+    """tp=1: data parallel, an engine per rank on its GPU. tp=2: one TP=2 engine over both GPUs, led by rank 0,
+    generating both ranks' prompts (TRL's ``vllm_tensor_parallel_size=2``). Written without a GPU run."""
     model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)
     out = tmp_path / "out"
     out.mkdir()
@@ -114,7 +122,7 @@ def test_two_ranks_data_parallel_each_engine_on_its_gpu_greedy_equals_hugging_fa
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           "--main_process_port", str(_free_port()), str(Path(__file__)), str(model_dir), str(out)]
+           "--main_process_port", str(_free_port()), str(Path(__file__)), str(model_dir), str(out), str(tp)]
     with open(tmp_path / "launch.log", "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -129,14 +137,16 @@ def test_two_ranks_data_parallel_each_engine_on_its_gpu_greedy_equals_hugging_fa
     assert rc == 0, f"accelerate launch: rc={rc} (None: past {TWO_GPU_DEADLINE_S} s)\n{tail}"
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     print("2-GPU ranks:", ranks)
-    # each rank's engine on its own GPU (the trainer's), with its own ports; both passed the greedy check
-    assert [r["base_gpu_id"] for r in ranks] == [0, 1] and [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
-    assert ranks[0]["nccl_port"] != ranks[1]["nccl_port"]
+    assert [r["device"] for r in ranks] == ["cuda:0", "cuda:1"]
     assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]  # DDP: the replicas agree
+    if tp == 1:  # each rank's engine on its own GPU (the trainer's), with its own ports; both passed the greedy check
+        assert [r["base_gpu_id"] for r in ranks] == [0, 1] and ranks[0]["nccl_port"] != ranks[1]["nccl_port"]
+    else:  # rank 0's TP=2 engine from GPU 0 on, which passed the greedy check; rank 1 runs none
+        assert ranks[0]["base_gpu_id"] == 0 and ranks[0]["tp_size"] == 2 and ranks[1]["base_gpu_id"] is None
 
 
 if __name__ == "__main__":
-    _rank_main(sys.argv[1], sys.argv[2])
+    _rank_main(sys.argv[1], sys.argv[2], sys.argv[3])
 
 
 def test_grpo_on_a_vision_language_model_sends_each_prompts_image_to_the_engine(tmp_path):
