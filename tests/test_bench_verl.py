@@ -981,7 +981,7 @@ def test_at_once_runs_both_sides_of_a_pair_together_each_on_its_gpus(tmp_path, m
     (out / "data").mkdir(parents=True)
     args = argparse.Namespace(ngpus=1, tp=1, steps=2, gpu_memory_utilization=0.5, overrides=[], fast_sync=None,
                               task="arith", nnodes=1, trainer="sync", rollout_gpus=0, timeout_s=60.0, at_once=True,
-                              ours_checkpoint_engine="nccl")
+                              ours_checkpoint_engine="nccl", ours_layered_gather=False)
     run_dirs, orders = verl_compare.plan_pairs(out, 1, ["builtin", "ours"])
     config = {"title": "t", "steps": 2, "at_once": True}
     failed = verl_compare._run_pairs(args, out, run_dirs, orders, config, tmp_path / "m", 4, {}, {})

@@ -317,6 +317,8 @@ def visible_handles(nvml, cuda_visible_devices: Optional[str]) -> list:
 #: The hydra override ``--fast-sync`` / ``--no-fast-sync`` add to sgl-rollout's side only (without either,
 #: that side runs ``RolloutConfig.fast_sync``'s default: the fast path).
 FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true"
+#: The environment switch of the layered gather (``--ours-layered-gather`` sets it on sgl-rollout's side).
+GATHER_ENV = "SGL_ROLLOUT_LAYERED_GATHER"
 #: The asynchronous trainers' checkpoint-engine key (``--ours-checkpoint-engine`` sets it on sgl-rollout's side).
 CKPT_BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 
@@ -328,7 +330,7 @@ def fast_sync_override(fast_sync: Optional[bool]) -> Optional[str]:
     return FAST_SYNC_OVERRIDE if fast_sync else FAST_SYNC_OVERRIDE.replace("=true", "=false")
 
 
-def differences(fast_sync: Optional[bool] = None, ours_backend: str = "nccl") -> List[str]:
+def differences(fast_sync: Optional[bool] = None, ours_backend: str = "nccl", layered_gather: bool = False) -> List[str]:
     """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
            "which rollout answers rollout.name=sglang; both run the timing probe (Ray's worker_process_setup_hook)",
@@ -341,6 +343,10 @@ def differences(fast_sync: Optional[bool] = None, ours_backend: str = "nccl") ->
     if ours_backend != "nccl":
         out.append(f"{CKPT_BACKEND_KEY}: nccl (built-in) vs {ours_backend} (sgl-rollout, --ours-checkpoint-engine): "
                    "the asynchronous trainers' weight transfer; verl's built-in cannot take this package's backend")
+    if layered_gather:
+        out.append(f"{GATHER_ENV}=1 on sgl-rollout's side only (--ours-layered-gather): the trainer's weights "
+                   "gathered one FSDP unit at a time (sgl_rollout.integrations.verl_gather) instead of verl's "
+                   "per-tensor full_tensor()")
     return out
 
 
@@ -348,7 +354,7 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
                  gpu_memory_utilization: float, extra: Sequence[str] = (),
                  python: str = sys.executable, fast_sync: Optional[bool] = None, task: str = "arith",
                  nnodes: int = 1, worker_env: Optional[Dict[str, str]] = None, trainer: str = "sync",
-                 rollout_gpus: int = 0, ours_backend: str = "nccl") -> List[str]:
+                 rollout_gpus: int = 0, ours_backend: str = "nccl", layered_gather: bool = False) -> List[str]:
     """The ``python -m verl.trainer.main_ppo ...`` command of one side (``"builtin"`` or ``"ours"``);
     ``fast_sync`` True or False adds :func:`fast_sync_override` to ``"ours"`` (None: the default);
     ``task="shapes"`` puts :data:`.vlm.SHAPES_OVERRIDES` over the arithmetic task's data and reward keys;
@@ -387,7 +393,8 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
         # a Ray cluster of its own (RAY_ADDRESS still wins): ray.init() would join one already running on
         # this host, such as the other side's when two runs share a host on different GPUs
         overrides.append("+ray_kwargs.ray_init.address=local")
-    env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side], **(worker_env or {})}
+    env_keys = {ENV_DIR: str(run_dir / "spans"), "VERL_USE_EXTERNAL_PLUGINS": PLUGINS[side], **(worker_env or {}),
+                **({GATHER_ENV: "1"} if side == "ours" and layered_gather else {})}
     # quoted: hydra reads an unquoted a,b as a sweep
     overrides += [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in env_keys.items()]
     overrides.append(f"+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook={SETUP_HOOK}")
@@ -611,6 +618,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the asynchronous trainers' checkpoint_engine.backend on sgl-rollout's side (the built-in "
                    "always runs verl's nccl): sgl_rollout sends each rollout TP rank only its shard "
                    "(sgl_rollout.integrations.verl_checkpoint_engine)")
+    p.add_argument("--ours-layered-gather", action="store_true",
+                   help="gather the trainer's FSDP2 weights one unit (layer) at a time on sgl-rollout's side "
+                   "(sgl_rollout.integrations.verl_gather; issue 47 goal 2; off by default)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of --ngpus GPUs each; more than 1 joins the Ray "
                    "cluster RAY_ADDRESS names, or --simulate-nodes")
     p.add_argument("--simulate-nodes", action="store_true", help="with --nnodes N: make N Ray nodes of --ngpus "
@@ -826,7 +836,7 @@ def _run_one(args, out: Path, pair: int, side: str, run_dir: Path, model_dir: Pa
     cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps, args.gpu_memory_utilization,
                        args.overrides, fast_sync=args.fast_sync, task=args.task, nnodes=args.nnodes,
                        worker_env=worker_env, trainer=args.trainer, rollout_gpus=args.rollout_gpus,
-                       ours_backend=args.ours_checkpoint_engine)
+                       ours_backend=args.ours_checkpoint_engine, layered_gather=args.ours_layered_gather)
     run_env = {**side_env(side, run_dir), **env, **({"CUDA_VISIBLE_DEVICES": devices} if devices else {})}
     where = f" on GPUs {devices}" if devices else ""
     print(f"bench verl: pair {pair}, {verl_report.SIDE_LABELS[side]}: running{where} (log {run_dir / 'train.log'})",
@@ -902,7 +912,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"bench verl: {exc}", file=sys.stderr)
         return 2
     run_dirs, orders = plan_pairs(out, args.pairs, sides)
-    diffs = differences(args.fast_sync, args.ours_checkpoint_engine if args.trainer != "sync" else "nccl")
+    diffs = differences(args.fast_sync, args.ours_checkpoint_engine if args.trainer != "sync" else "nccl",
+                        args.ours_layered_gather)
     config = {
         "title": args.title, "task": args.task, "model": str(model_dir),
         "random_weights": bool(args.random_model) or args.task == "shapes" or makes_own_tools_model(args),
@@ -912,6 +923,7 @@ def main(args: argparse.Namespace) -> int:
         "gpu_memory_utilization": args.gpu_memory_utilization, "fast_sync": _effective_fast_sync(args.fast_sync),
         "at_once": bool(args.at_once),
         "ours_checkpoint_engine": args.ours_checkpoint_engine if args.trainer != "sync" else None,
+        "ours_layered_gather": bool(args.ours_layered_gather),
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),

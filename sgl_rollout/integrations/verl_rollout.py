@@ -58,6 +58,7 @@ from .verl_config import (
     rollout_config_for_verl,
 )
 from .verl_checkpoint_engine import WIRE_FORMAT as P2P_WIRE_FORMAT
+from . import verl_gather
 from .verl_server import server_name
 from .verl_weight_sync import VerlWeightSync, _drain
 
@@ -116,6 +117,7 @@ class SglRollout(VerlWeightSync, BaseRollout):
 
     def __init__(self, config, model_config, device_mesh=None, *args, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
+        verl_gather.install()  # inert unless SGL_ROLLOUT_LAYERED_GATHER=1 (this trainer worker's FSDP engine)
         world = os.environ.get("WORLD_SIZE", "")
         check_verl_tp(self.config, self.model_config, int(world) if world.isdigit() else None)
         self.rollout_config = rollout_config_for_verl(self.config, model_path_of(self.model_config),

@@ -1,0 +1,144 @@
+"""The trainer's full weights from verl's FSDP2 actor, gathered one FSDP unit (a decoder layer) at a time
+(issue 47, goal 2: own the gather).
+
+verl 0.9.1 hands a weight sync ``FSDPEngine.get_per_tensor_param``'s stream
+(``verl/workers/engine/fsdp/transformer_impl.py``): for an FSDP2 module, ``param.full_tensor()`` of each
+``state_dict()`` entry, one all-gather per tensor (a 1.4B Qwen2: ~340 collectives, 200-220 ms of a 734 ms
+update on 2 H200s, issue 47). :func:`layered_full_tensors` gives the same names in the same order with the
+same values, but all-gathers each FSDP unit's parameters at once with FSDP2's own ``FSDPModule.unshard()``
+(one collective per unit, in the unit's compute dtype), copies them out, and ``reshard()``s the unit before
+the next one: at most one unit's unsharded parameters are held besides what the consumer keeps.
+
+:func:`install` puts it behind verl's method for the runs that ask for it (``SGL_ROLLOUT_LAYERED_GATHER=1`` in
+the trainer workers' environment; ``bench verl --ours-layered-gather``) and can use it: FSDP2, no LoRA, no
+QAT, parameters on the GPU. Everything else keeps verl's own stream. Off by default: it has run on the CPU
+only (``tests/test_verl_gather.py``, FSDP2 over gloo).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+logger = logging.getLogger(__name__)
+
+#: The environment switch :func:`install`'s wrapper reads in each trainer worker at every call.
+ENV = "SGL_ROLLOUT_LAYERED_GATHER"
+
+__all__ = ["ENV", "install", "layered_full_tensors", "unit_of"]
+
+
+def unit_of(module) -> Dict[str, Any]:
+    """``state_dict()`` key -> the FSDP2 unit (``FSDPModule``) that shards it: the deepest ``FSDPModule`` whose
+    module path is a prefix of the key; keys of no unit are left out."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    units.sort(key=lambda u: -len(u[0]))  # deepest first
+    owners = {}
+    for key in module.state_dict().keys():
+        for name, unit in units:
+            if not name or key.startswith(name + "."):
+                owners[key] = unit
+                break
+    return owners
+
+
+def layered_full_tensors(module, device=None) -> Iterator[Tuple[str, Any]]:
+    """``(state_dict key, full tensor)`` for every entry of an FSDP2 ``module``'s ``state_dict()``, in its order,
+    each a new tensor of the full shape (a copy: the consumer may keep it), in the unit's compute dtype
+    (FSDP2's ``MixedPrecisionPolicy.param_dtype``, else the parameter's). A unit is unsharded when the first
+    of a run of its keys comes and resharded when the run ends (a unit whose keys come in two runs, such as
+    the root's embedding and its final norm and head, is gathered twice), and on any exit of the
+    generator. Tensors that no unit shards (a plain tensor) come as they are, moved to ``device``.
+
+    Raises:
+        whatever FSDP2's ``unshard`` raises (a collective: every rank must read the stream to its end).
+    """
+    from torch.distributed.tensor import DTensor
+
+    state = module.state_dict()
+    owners = unit_of(module)
+    current = None
+    try:
+        for key, value in state.items():
+            unit = owners.get(key) if isinstance(value, DTensor) else None
+            if unit is not current and current is not None:
+                current.reshard()
+                current = None
+            if unit is None:
+                yield key, value if device is None else value.to(device, non_blocking=True)
+                continue
+            if current is None:
+                unit.unshard()
+                current = unit
+            yield key, module.get_parameter(key).detach().clone()
+    finally:
+        if current is not None:
+            current.reshard()
+
+
+def _can_use(engine) -> Optional[str]:
+    """Why ``engine`` (verl's ``FSDPEngine``) cannot take :func:`layered_full_tensors`, or None."""
+    from verl.utils.fsdp_utils import fsdp_version
+
+    module = engine.module
+    if fsdp_version(module) != 2:
+        return "not FSDP2"
+    if hasattr(getattr(module, "_fsdp_wrapped_module", module), "peft_config"):
+        return "LoRA"
+    if getattr(engine, "_qat_enabled", False):
+        return "QAT"
+    if getattr(engine, "_uses_fsdp2_cpu_offload_policy", False) or getattr(engine, "_is_offload_param", False):
+        return "parameters offloaded to the CPU"
+    return None
+
+
+def _stream(engine) -> Iterator[Tuple[str, Any]]:
+    """verl's names for :func:`layered_full_tensors` of ``engine.module``: its ``convert_weight_keys`` renaming
+    (``verl/utils/model.py``), then its ``unfuse_moe_params`` (``verl/workers/engine/fsdp/utils.py``), as
+    ``get_per_tensor_param`` applies them."""
+    from verl.utils.model import convert_weight_keys
+    from verl.workers.engine.fsdp.utils import unfuse_moe_params
+
+    module = engine.module
+    keys = list(module.state_dict().keys())
+    renamed: Dict[str, str] = {key: new for new, key in
+                               convert_weight_keys({k: k for k in keys},
+                                                   getattr(module, "_fsdp_wrapped_module", module)).items()}
+    # plain (non-DTensor) entries stay where they are: _can_use admits only modules whose parameters are on the GPU
+    named = ((renamed.get(k, k), t) for k, t in layered_full_tensors(module))
+    return unfuse_moe_params(named, engine.model_config.hf_config.model_type)
+
+
+def install(engine_class=None) -> bool:
+    """Wrap verl's ``FSDPEngine.get_per_tensor_param`` (or ``engine_class``'s) so that, with :data:`ENV` = ``1``
+    in the process, an engine :func:`_can_use` returns :func:`_stream` instead; otherwise verl's own
+    method runs. Idempotent.
+
+    Returns:
+        True when installed (now or before); False when verl's FSDP engine cannot be imported.
+    """
+    if engine_class is None:
+        try:
+            from verl.workers.engine.fsdp.transformer_impl import FSDPEngine as engine_class
+        except Exception as e:  # noqa: BLE001 - verl absent or broken here: its own stream stays
+            logger.debug("layered gather not installed: %r", e)
+            return False
+    if getattr(engine_class.get_per_tensor_param, "_sgl_rollout_layered", False):
+        return True
+    original = engine_class.get_per_tensor_param
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        if os.environ.get(ENV, "").strip() == "1":
+            why = _can_use(self)
+            if why is None:
+                return _stream(self), None
+            logger.info("layered gather not used (%s): verl's own per-tensor gather", why)
+        return original(self, layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
+
+    get_per_tensor_param._sgl_rollout_layered = True
+    get_per_tensor_param.__doc__ = original.__doc__
+    engine_class.get_per_tensor_param = get_per_tensor_param
+    return True
