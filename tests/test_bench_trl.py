@@ -4,6 +4,8 @@ on an engine double), every step is recorded, and the comparison is summarized a
 import argparse
 import json
 
+import torch
+
 import pytest
 
 pytest.importorskip("trl")
@@ -35,7 +37,13 @@ def test_both_sides_train_and_every_step_is_recorded(tmp_path):
     assert [r["step"] for r in ours] == [1, 2] and [r["step"] for r in theirs] == [1, 2]
     assert all(r["gen_s"] > 0 and r["step_s"] >= r["gen_s"] and r["sync_s"] is not None for r in ours)
     assert all(r["sync_s"] is None and r["reward"] is not None for r in theirs)
-    assert workers[0].events == ["sync", "generate", "sleep", "sync", "generate", "sleep"]
+    # then the greedy check: a sync of the last weights, greedy on the engine, back to sleep
+    assert workers[0].events == ["sync", "generate", "sleep"] * 3
+    greedy = json.loads((tmp_path / "out" / "ours.greedy.json").read_text())
+    assert greedy == {"prompts": trl_compare.GREEDY_PROMPTS, "tokens": 4, "equal": trl_compare.GREEDY_PROMPTS,
+                      "max_gap": 0.0}
+    trainer_final = workers[0].synced[-1]
+    assert all(torch.equal(trainer_final[n], p) for n, p in workers[0].params.items())
     saved = [json.loads(line) for line in (tmp_path / "out" / "ours.jsonl").read_text().splitlines()]
     assert saved == ours
     summary = trl_compare.summarize({"ours": ours, "transformers": theirs})
@@ -90,3 +98,23 @@ def test_the_vllm_side_is_trls_colocate_mode_and_passes_trls_own_config_checks(t
     assert lines[0] == "| per step (median after the first) | ours | vllm | transformers | ours / vllm | " \
                        "ours / transformers |"
     assert "| step_s | 1.000 | 2.000 | 4.000 | 0.50x | 0.25x |" in lines
+
+
+def test_the_greedy_check_counts_a_wrong_weight(tmp_path):
+    """An engine whose weights are not the trainer's fails the check: fewer prompts equal, a gap far above a
+    near-tie."""
+    model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)
+    args = _args(out=str(tmp_path / "out"), steps=1)
+    workers = []
+
+    class Stale(WorkerDouble):
+        def update_weights(self, named_tensors):  # takes the sync, keeps its own (other) weights
+            super().update_weights([(n, t + 0.3 * torch.randn_like(t)) for n, t in named_tensors])
+
+    def factory(path):
+        workers.append(Stale(path))
+        return workers[-1]
+
+    trl_compare.run_side("ours", args, model_dir, tmp_path / "out", worker_factory=factory)
+    greedy = json.loads((tmp_path / "out" / "ours.greedy.json").read_text())
+    assert greedy["equal"] < greedy["prompts"] and greedy["max_gap"] > 0.5, greedy

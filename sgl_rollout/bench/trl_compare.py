@@ -10,7 +10,9 @@ templating, the engine's wake and sync on side ``ours``, generation, sleep), ``s
 the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``peak_gb`` (torch's peak allocated
 device memory in the trainer's process during the step, GB = 1e9 bytes; the engine's own memory is in
 SGLang's processes and not in it) and ``reward`` (TRL's logged mean). ``comparison.json`` and the printed
-table give medians over the steps after the first, and ours / transformers.
+table give medians over the steps after the first, and ours / each other side. After its run side ``ours``
+checks its engine bit for bit (:func:`greedy_check`, ``<out>/ours.greedy.json``, also in ``comparison.json``
+and printed): greedy output after a sync equals Hugging Face's with the trainer's weights.
 
 Side ``vllm`` (issue 48's side (b), ``--sides ours,vllm,transformers``) is TRL's own vLLM colocate mode
 (``use_vllm=True, vllm_mode="colocate"``, vLLM's sleep mode on, ``--gpu-memory-utilization`` as vLLM's share):
@@ -29,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 #: The sides a run can name, in the order they run (``--sides`` picks; the default leaves ``vllm`` out).
 SIDES = ("ours", "vllm", "transformers")
@@ -161,7 +163,65 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
     trainer.train()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{side}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if side == "ours":
+        check = greedy_check(trainer, data["prompt"][:GREEDY_PROMPTS], min(GREEDY_TOKENS, args.max_completion_length))
+        (out_dir / f"{side}.greedy.json").write_text(json.dumps(check) + "\n")
     return rows
+
+
+#: Prompts and new tokens (at most the run's completion length) of :func:`greedy_check`.
+GREEDY_PROMPTS, GREEDY_TOKENS = 8, 16
+
+
+def _hf_greedy(model, prompt: List[int], n: int) -> Tuple[List[int], List[float]]:
+    """``model``'s greedy continuation of ``prompt`` (``n`` ids, EOS not special) and, per step, the float32
+    logits of all tokens (to measure how far another continuation's tokens are from the argmax)."""
+    import torch
+
+    ids, rows = torch.tensor([prompt], device=model.device), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(ids).logits[0, -1].float()
+            rows.append(logits)
+            ids = torch.cat([ids, logits.argmax().view(1, 1)], dim=1)
+    return ids[0, len(prompt):].tolist(), rows
+
+
+def greedy_check(trainer, messages, n_tokens: int) -> dict:
+    """Bit-level sanity of side ``ours`` after its run (issue 48): a sync of the trainer's last weights, then
+    the engine's greedy continuation of each of ``messages`` (chat prompts, the run's own) against Hugging
+    Face's greedy with those weights in the engine's dtype (bf16 on a GPU; the model's own on the CPU), token
+    for token. Where they differ, ``max_gap`` is the largest distance (float32 logit units) between Hugging
+    Face's top logit and the logit of the engine's token at the first differing position: bf16 near-ties
+    are a few tenths at most, a wrong weight is far more. Returns ``{"prompts", "tokens", "equal",
+    "max_gap"}`` (gap 0.0 when all are equal); the engine is put back to sleep."""
+    import copy
+
+    import torch
+
+    tok = trainer.processing_class
+    prompts = []
+    for m in messages:
+        prompts.append(list(tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)["input_ids"]))
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if model.device.type == "cuda":
+        model = copy.deepcopy(model).to(torch.bfloat16)  # the engine's dtype
+    trainer.sgl.awake = False  # a sync of the trainer's last weights whatever the engine holds
+    trainer.sgl.wake(trainer.state.global_step, trainer._trainer_weights)
+    gens = trainer.sgl.worker.generate(prompts, {"temperature": 0.0, "max_new_tokens": n_tokens, "ignore_eos": True},
+                                       n=1)
+    trainer.sgl.sleep(raise_errors=True)
+    equal, gap = 0, 0.0
+    for prompt, gen in zip(prompts, gens):
+        got = list(gen[0].output_ids)
+        ref, logits = _hf_greedy(model, prompt, n_tokens)
+        if got == ref:
+            equal += 1
+            continue
+        at = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+        gap = max(gap, float(logits[at].max() - logits[at][got[at]]))
+    return {"prompts": len(prompts), "tokens": n_tokens, "equal": equal, "max_gap": gap}
 
 
 def summarize(rows_by_side: Dict[str, List[dict]]) -> Dict[str, Dict[str, Optional[float]]]:
@@ -217,9 +277,15 @@ def main(args: argparse.Namespace) -> int:
             continue
         rows[side] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     summary = summarize(rows)
+    greedy_file = out / "ours.greedy.json"
+    greedy = json.loads(greedy_file.read_text()) if "ours" in rows and greedy_file.is_file() else None
     (out / "comparison.json").write_text(json.dumps({"args": vars(args), "model": model_dir, "summary": summary,
-                                                     "failed": failed}, indent=1) + "\n")
+                                                     "greedy": greedy, "failed": failed}, indent=1) + "\n")
     print("\n".join(table(summary)) if summary else "no side finished")
+    if greedy:
+        print(f"greedy after the last sync (ours): {greedy['equal']} of {greedy['prompts']} prompts equal to Hugging "
+              f"Face's with the trainer's weights, {greedy['tokens']} tokens each (largest gap where not: "
+              f"{greedy['max_gap']:.3f} logit units)")
     for side in failed:
         print(f"bench trl: side {side} failed (log {out / (side + '.log')})")
     return 1 if failed else 0
