@@ -69,12 +69,21 @@ def test_main_runs_each_side_in_its_own_process_and_reports_a_failed_one(tmp_pat
             return Done(0)
         return Done(1)
 
+    class Nvml:  # the device's memory over a side's run: GPU 1 rose by 3 GB, GPU 0 by 1 GB
+        def start(self):
+            return self
+
+        def stop(self):
+            return {"peak_used_bytes": {"0": 5e9, "1": 4e9}, "baseline_bytes": {"0": 4e9, "1": 1e9}}
+
     monkeypatch.setattr(trl_compare.subprocess, "run", fake_run)
     monkeypatch.setattr("sgl_rollout.workloads.resolve_model", lambda model, gguf: tmp_path / "m")
+    monkeypatch.setattr("sgl_rollout.bench.verl_compare.NvmlSampler", Nvml)
     assert trl_compare.main(_args(out=str(tmp_path))) == 1
     assert calls == ["ours", "transformers"]
     got = json.loads((tmp_path / "comparison.json").read_text())
     assert got["failed"] == ["transformers"] and got["summary"]["ours"]["sync_s"] == 0.1
+    assert got["summary"]["ours"]["device_peak_gb"] == 3.0
     assert "side transformers failed" in capsys.readouterr().out
 
 

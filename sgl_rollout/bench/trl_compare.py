@@ -36,8 +36,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 #: The sides a run can name, in the order they run (``--sides`` picks; the default leaves ``vllm`` out).
 SIDES = ("ours", "vllm", "transformers")
 DEFAULT_SIDES = ("ours", "transformers")
-#: Per-step fields of a side's record, in the table's order.
+#: Per-step fields of a side's record, in the table's order; the table adds ``device_peak_gb`` (NVML's peak
+#: over the side's run, every process on its GPUs, the engine's included, in GB above what was in use before).
 FIELDS = ("step_s", "gen_s", "sync_s", "peak_gb", "reward")
+TABLE_FIELDS = FIELDS + ("device_peak_gb",)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -241,11 +243,11 @@ def table(summary: Dict[str, Dict[str, Optional[float]]]) -> List[str]:
     others = [s for s in sides if s != "ours"]
     lines = ["| per step (median after the first) | " + " | ".join(sides + [f"ours / {o}" for o in others]) + " |",
              "| --- | " + " | ".join("---:" for _ in sides + others) + " |"]
-    for f in FIELDS:
-        cells = ["n/a" if (v := summary[s][f]) is None else f"{v:.3f}" for s in sides]
+    for f in [f for f in TABLE_FIELDS if any(f in summary[s] for s in sides)]:
+        cells = ["n/a" if (v := summary[s].get(f)) is None else f"{v:.3f}" for s in sides]
         ours = summary.get("ours", {}).get(f)
         for o in others:
-            theirs = summary[o][f]
+            theirs = summary[o].get(f)
             cells.append(f"{ours / theirs:.2f}x" if ours is not None and theirs else "n/a")
         lines.append(f"| {f} | " + " | ".join(cells) + " |")
     return lines
@@ -264,19 +266,26 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = str(resolve_model(args.model, None))
-    rows, failed = {}, []
+    from .verl_compare import NvmlSampler
+
+    rows, failed, nvml = {}, [], {}
     for side in [s for s in args.sides.split(",") if s]:
         code = ("import sys; from sgl_rollout.bench.trl_compare import child; "
                 "child(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4])")
+        sampler = NvmlSampler().start()  # the device's memory, the engine's processes included
         with open(out / f"{side}.log", "w", encoding="utf-8") as log:
             rc = subprocess.run([sys.executable, "-c", code, side, json.dumps(vars(args)), model_dir, str(out)],
                                 stdout=log, stderr=subprocess.STDOUT).returncode
+        nvml[side] = sampler.stop()
         path = out / f"{side}.jsonl"
         if rc != 0 or not path.is_file():
             failed.append(side)
             continue
         rows[side] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     summary = summarize(rows)
+    for side in summary:  # NVML's peak over the side's whole run, above what was in use before it
+        used, base = nvml[side]["peak_used_bytes"], nvml[side]["baseline_bytes"]
+        summary[side]["device_peak_gb"] = max((used[g] - base.get(g, 0)) / 1e9 for g in used) if used else None
     greedy_file = out / "ours.greedy.json"
     greedy = json.loads(greedy_file.read_text()) if "ours" in rows and greedy_file.is_file() else None
     (out / "comparison.json").write_text(json.dumps({"args": vars(args), "model": model_dir, "summary": summary,
