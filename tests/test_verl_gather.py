@@ -56,6 +56,9 @@ def _rank(rank, port, out):
         res[mixed] = {"names": [k for k, _ in got] == [k for k, _ in ref],
                       "equal": all(torch.equal(g, r.to(dtype)) for (_, g), (_, r) in zip(got, ref)),
                       "dtypes": {g.dtype for _, g in got}, "resharded": _all_sharded(model)}
+        exact = list(verl_gather.layered_full_tensors(model, narrow_ok=lambda dtype: False))
+        res[mixed]["lossless"] = all(torch.equal(g, r) and g.dtype == torch.float32
+                                     for (_, g), (_, r) in zip(exact, ref)) and _all_sharded(model)
         stream = verl_gather.layered_full_tensors(model)
         [next(stream) for _ in range(3)]  # a reader that stops inside layer 0's unit
         stream.close()
@@ -90,6 +93,7 @@ def test_same_names_order_and_values_as_verls_per_tensor_gather(ranks, mixed):
         assert r["names"] and r["equal"], r
         assert r["dtypes"] == {torch.bfloat16 if mixed else torch.float32}  # the unit's compute dtype
         assert r["resharded"] and r["closed_resharded"] and r["trains"], r
+        assert r["lossless"], r  # a unit whose compute dtype the receiver does not hold: verl's fp32, per tensor
 
 
 def test_verls_renaming_and_the_engine_check(ranks):

@@ -6,8 +6,10 @@ verl 0.9.1 hands a weight sync ``FSDPEngine.get_per_tensor_param``'s stream
 ``state_dict()`` entry, one all-gather per tensor (a 1.4B Qwen2: ~340 collectives, 200-220 ms of a 734 ms
 update on 2 H200s, issue 47). :func:`layered_full_tensors` gives the same names in the same order with the
 same values, but all-gathers each FSDP unit's parameters at once with FSDP2's own ``FSDPModule.unshard()``
-(one collective per unit, in the unit's compute dtype), copies them out, and ``reshard()``s the unit before
-the next one: at most one unit's unsharded parameters are held besides what the consumer keeps.
+(one collective per unit), copies them out, and ``reshard()``s the unit before the next one: at most one
+unit's unsharded parameters are held besides what the consumer keeps. Under mixed precision FSDP2 gathers in
+the compute dtype (bf16 for fp32 parameters): that stands for the parameters only where the rollout holds that
+dtype (the colocated rollout says which, :func:`install`), else the unit is read per tensor as verl does.
 
 :func:`install` puts it behind verl's method for the runs that ask for it (``SGL_ROLLOUT_LAYERED_GATHER=1`` in
 the trainer workers' environment; ``bench verl --ours-layered-gather``) and can use it: FSDP2, no LoRA, no
@@ -45,13 +47,19 @@ def unit_of(module) -> Dict[str, Any]:
     return owners
 
 
-def layered_full_tensors(module, device=None) -> Iterator[Tuple[str, Any]]:
+def layered_full_tensors(module, device=None, narrow_ok=None) -> Iterator[Tuple[str, Any]]:
     """``(state_dict key, full tensor)`` for every entry of an FSDP2 ``module``'s ``state_dict()``, in its order,
     each a new tensor of the full shape (a copy: the consumer may keep it), in the unit's compute dtype
     (FSDP2's ``MixedPrecisionPolicy.param_dtype``, else the parameter's). A unit is unsharded when the first
     of a run of its keys comes and resharded when the run ends (a unit whose keys come in two runs, such as
     the root's embedding and its final norm and head, is gathered twice), and on any exit of the
     generator. Tensors that no unit shards (a plain tensor) come as they are, moved to ``device``.
+
+    Args:
+        narrow_ok: ``(dtype) -> bool``: whether a unit's compute dtype, where it differs from its parameters'
+            (mixed precision, e.g. bf16 for fp32 parameters), may stand for them (True when the receiver
+            holds that dtype: the cast is the same either side). A unit it refuses is read per tensor with
+            ``full_tensor()`` in the parameters' dtype, as verl does. None: always.
 
     Raises:
         whatever FSDP2's ``unshard`` raises (a collective: every rank must read the stream to its end).
@@ -60,20 +68,28 @@ def layered_full_tensors(module, device=None) -> Iterator[Tuple[str, Any]]:
 
     state = module.state_dict()
     owners = unit_of(module)
-    current = None
+    current, per_tensor = None, set()
     try:
         for key, value in state.items():
             unit = owners.get(key) if isinstance(value, DTensor) else None
             if unit is not current and current is not None:
                 current.reshard()
                 current = None
-            if unit is None:
-                yield key, value if device is None else value.to(device, non_blocking=True)
+            if unit is None or id(unit) in per_tensor:
+                yield key, (value.full_tensor() if unit is not None else
+                            value if device is None else value.to(device, non_blocking=True))
                 continue
             if current is None:
                 unit.unshard()
                 current = unit
-            yield key, module.get_parameter(key).detach().clone()
+            full = module.get_parameter(key)
+            if full.dtype != value.dtype and narrow_ok is not None and not narrow_ok(full.dtype):
+                current.reshard()
+                current = None
+                per_tensor.add(id(unit))
+                yield key, value.full_tensor()
+                continue
+            yield key, full.detach().clone()
     finally:
         if current is not None:
             current.reshard()
@@ -108,18 +124,31 @@ def _stream(engine) -> Iterator[Tuple[str, Any]]:
                                convert_weight_keys({k: k for k in keys},
                                                    getattr(module, "_fsdp_wrapped_module", module)).items()}
     # plain (non-DTensor) entries stay where they are: _can_use admits only modules whose parameters are on the GPU
-    named = ((renamed.get(k, k), t) for k, t in layered_full_tensors(module))
+    full = layered_full_tensors(module, narrow_ok=lambda dtype: _ROLLOUT_DTYPE is not None and dtype == _ROLLOUT_DTYPE)
+    named = ((renamed.get(k, k), t) for k, t in full)
     return unfuse_moe_params(named, engine.model_config.hf_config.model_type)
 
 
-def install(engine_class=None) -> bool:
+#: The rollout engine's dtype in this process (:func:`install`'s ``rollout_dtype``): units whose compute dtype is
+#: it may send it; None (unknown, e.g. a checkpoint engine's trainer side): every unit sends its parameters' dtype.
+_ROLLOUT_DTYPE = None
+
+
+def install(engine_class=None, rollout_dtype: Optional[str] = None) -> bool:
     """Wrap verl's ``FSDPEngine.get_per_tensor_param`` (or ``engine_class``'s) so that, with :data:`ENV` = ``1``
     in the process, an engine :func:`_can_use` returns :func:`_stream` instead; otherwise verl's own
-    method runs. Idempotent.
+    method runs. Idempotent. ``rollout_dtype`` (``"bfloat16"``, ...: the rollout's weights, the colocated
+    rollout knows it) lets units in that compute dtype send it (:func:`layered_full_tensors`' ``narrow_ok``).
 
     Returns:
         True when installed (now or before); False when verl's FSDP engine cannot be imported.
     """
+    global _ROLLOUT_DTYPE
+    if rollout_dtype is not None:
+        import torch
+
+        dtype = getattr(torch, str(rollout_dtype), None)
+        _ROLLOUT_DTYPE = dtype if isinstance(dtype, torch.dtype) else None
     if engine_class is None:
         try:
             from verl.workers.engine.fsdp.transformer_impl import FSDPEngine as engine_class

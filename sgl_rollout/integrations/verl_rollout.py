@@ -117,11 +117,12 @@ class SglRollout(VerlWeightSync, BaseRollout):
 
     def __init__(self, config, model_config, device_mesh=None, *args, replica_rank: int = -1, **kwargs):
         super().__init__(config, model_config, device_mesh)
-        verl_gather.install()  # inert unless SGL_ROLLOUT_LAYERED_GATHER=1 (this trainer worker's FSDP engine)
         world = os.environ.get("WORLD_SIZE", "")
         check_verl_tp(self.config, self.model_config, int(world) if world.isdigit() else None)
         self.rollout_config = rollout_config_for_verl(self.config, model_path_of(self.model_config),
                                                       model_config=self.model_config)
+        # inert unless SGL_ROLLOUT_LAYERED_GATHER=1: this trainer worker's FSDP engine gathers by unit
+        verl_gather.install(rollout_dtype=self.rollout_config.dtype)
         self.sleep_level = self.rollout_config.sleep_level
         self.tp_size = self.rollout_config.tensor_model_parallel_size
         rank = int(os.environ.get("RANK", "0"))
