@@ -168,7 +168,7 @@ def test_the_extra_names_the_range_the_trainer_accepts():
 
     extra = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]["trl"]
-    assert extra == [f"trl{sgl_trl.TRL_REQUIREMENT}"]
+    assert extra[0] == f"trl{sgl_trl.TRL_REQUIREMENT}" and extra[1:] == ["jmespath"]  # TRL's tool calls, transformers < 5.13
 
 
 def test_images_reach_the_engine_with_their_prompts(model_dir, tmp_path):
