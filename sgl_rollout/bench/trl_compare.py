@@ -132,8 +132,12 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
         from ..integrations.trl import SglGRPOTrainer
 
         worker = worker_factory(model_dir) if worker_factory else None
+        from ..workloads import gpu_engine_flags
+
+        # the engine flags bench verl and the GPU tests pass (triton attention, pytorch sampling): what this
+        # project's GPU host runs (shared/gpu-overlay)
         rollout = worker or RolloutConfig(model_path=model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
-                                          enforce_eager=True)
+                                          enforce_eager=True, engine_kwargs=gpu_engine_flags())
         trainer = SglGRPOTrainer(rollout=rollout, **common)
     else:
         trainer = GRPOTrainer(**common)
