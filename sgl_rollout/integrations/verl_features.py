@@ -95,6 +95,14 @@ FEATURES: List[Feature] = [
             refused_by=({"data_parallel_size": 2}, "data_parallel_size")),
     Feature("expert parallel (`expert_parallel_size`)", True, True,
             "tests/test_verl_config.py::test_expert_parallel_size_reaches_sglang_as_ep_size", note="mapping only"),
+    Feature("mixture-of-experts weight sync (Qwen3-MoE; transformers 5's fused experts split into checkpoint "
+            "tensors)", True, True, "tests/test_moe_plan.py::test_moe_fast_path_equals_the_loader_bit_for_bit",
+            note="CPU: the fast path bit-exact against a FusedMoE-shaped loader at TP=1, TP=2 and EP=2; "
+                 "tests/gpu/test_moe_gpu.py written, not yet run on a GPU"),
+    Feature("the trainer's FSDP2 weights gathered one unit (layer) at a time (`SGL_ROLLOUT_LAYERED_GATHER=1`)",
+            False, True, "tests/test_verl_gather.py::test_same_names_order_and_values_as_verls_per_tensor_gather",
+            note="CPU (FSDP2 over gloo): the same names, order and values as verl's per-tensor gather; off by "
+                 "default, no GPU figure yet"),
     Feature("multi-node replicas (TP over nodes)", True, True, "tests/test_verl_multinode.py::test_verl_replica_over_two_nodes",
             note="GPU: tests/gpu/test_multinode_gpu.py on 2 GPUs as two Ray nodes"),
     Feature("`free_cache_engine`, sleep levels 1 and 2", True, True,
