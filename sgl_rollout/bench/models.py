@@ -116,28 +116,24 @@ def qwen3_moe_checkpoint_tensors(model) -> List[Tuple[str, torch.Tensor]]:
     rows first) and ``mlp.experts.down_proj`` ``(E, H, I)`` (``transformers/models/qwen3_moe/modeling_qwen3_moe.py``,
     ``Qwen3MoeExperts``; ``conversion_mapping.py`` merges the checkpoint's per-expert tensors into them on
     load and splits them on save); each becomes ``mlp.experts.E.gate_proj.weight`` ``(I, H)``, ``up_proj``
-    ``(I, H)`` and ``down_proj`` ``(H, I)``. Per-expert names (transformers 4) pass unchanged.
+    ``(I, H)`` and ``down_proj`` ``(H, I)``, by the split every weight sync uses
+    (:func:`sgl_rollout.checkpoint_names.mappings_for_config`). Per-expert names (transformers 4) pass unchanged.
 
     Raises:
         ValueError: a fused expert tensor whose shape is not ``(E, 2*I, H)`` / ``(E, H, I)`` of the config.
     """
+    from ..checkpoint_names import mappings_for_config
+
     cfg = model.config
     e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    expected = {"gate_up_proj": (e, 2 * i, h), "down_proj": (e, h, i)}
+    split = mappings_for_config(cfg)[1]  # transformers' own fusion, reversed (sgl_rollout.checkpoint_names)
     out: List[Tuple[str, torch.Tensor]] = []
     for name, p in model.named_parameters():
-        t = p.detach()
         base, _, last = name.rpartition(".")
-        if last == "gate_up_proj" and base.endswith("mlp.experts"):
-            if tuple(t.shape) != (e, 2 * i, h):
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {(e, 2 * i, h)}")
-            for x in range(e):
-                out += [(f"{base}.{x}.gate_proj.weight", t[x, :i]), (f"{base}.{x}.up_proj.weight", t[x, i:])]
-        elif last == "down_proj" and base.endswith("mlp.experts"):
-            if tuple(t.shape) != (e, h, i):
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {(e, h, i)}")
-            out += [(f"{base}.{x}.down_proj.weight", t[x]) for x in range(e)]
-        else:
-            out.append((name, t))
+        if base.endswith("mlp.experts") and last in expected and tuple(p.shape) != expected[last]:
+            raise ValueError(f"{name}: shape {tuple(p.shape)}, expected {expected[last]}")
+        out += split(name, p.detach()) if split is not None else [(name, p.detach())]
     return out
 
 

@@ -227,12 +227,8 @@ class _SglGeneration:
     def _generate_here(self, trainer, prompt_ids, images):
         """:meth:`generate` on this process's engine."""
         self.wake(trainer.state.global_step, trainer._trainer_weights)
-        ids, params = [list(p) for p in prompt_ids], sampling_params_of(trainer)
-        if images is not None and any(images):
-            image_data = [list(i) if i else None for i in images]
-            gens = self.worker.generate(ids, params, n=1, image_data=image_data)
-        else:
-            gens = self.worker.generate(ids, params, n=1)
+        mm = {"image_data": [list(i) if i else None for i in images]} if images is not None and any(images) else {}
+        gens = self.worker.generate([list(p) for p in prompt_ids], sampling_params_of(trainer), n=1, **mm)
         return [list(g[0].output_ids) for g in gens], [list(g[0].logprobs) for g in gens]
 
     def sleep(self, raise_errors: bool) -> None:

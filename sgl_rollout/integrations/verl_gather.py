@@ -31,15 +31,16 @@ ENV = "SGL_ROLLOUT_LAYERED_GATHER"
 __all__ = ["ENV", "install", "layered_full_tensors", "unit_of"]
 
 
-def unit_of(module) -> Dict[str, Any]:
-    """``state_dict()`` key -> the FSDP2 unit (``FSDPModule``) that shards it: the deepest ``FSDPModule`` whose
-    module path is a prefix of the key; keys of no unit are left out."""
+def unit_of(module, keys=None) -> Dict[str, Any]:
+    """``state_dict()`` key (of ``keys``, default all of ``module``'s) -> the FSDP2 unit (``FSDPModule``) that
+    shards it: the deepest ``FSDPModule`` whose module path is a prefix of the key; keys of no unit are left
+    out."""
     from torch.distributed.fsdp import FSDPModule
 
     units = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
     units.sort(key=lambda u: -len(u[0]))  # deepest first
     owners = {}
-    for key in module.state_dict().keys():
+    for key in module.state_dict().keys() if keys is None else keys:
         for name, unit in units:
             if not name or key.startswith(name + "."):
                 owners[key] = unit
@@ -47,7 +48,7 @@ def unit_of(module) -> Dict[str, Any]:
     return owners
 
 
-def layered_full_tensors(module, device=None, narrow_ok=None) -> Iterator[Tuple[str, Any]]:
+def layered_full_tensors(module, device=None, narrow_ok=None, state=None) -> Iterator[Tuple[str, Any]]:
     """``(state_dict key, full tensor)`` for every entry of an FSDP2 ``module``'s ``state_dict()``, in its order,
     each a new tensor of the full shape (a copy: the consumer may keep it), in the unit's compute dtype
     (FSDP2's ``MixedPrecisionPolicy.param_dtype``, else the parameter's). A unit is unsharded when the first
@@ -60,14 +61,15 @@ def layered_full_tensors(module, device=None, narrow_ok=None) -> Iterator[Tuple[
             (mixed precision, e.g. bf16 for fp32 parameters), may stand for them (True when the receiver
             holds that dtype: the cast is the same either side). A unit it refuses is read per tensor with
             ``full_tensor()`` in the parameters' dtype, as verl does. None: always.
+        state: ``module.state_dict()`` when the caller has it already.
 
     Raises:
         whatever FSDP2's ``unshard`` raises (a collective: every rank must read the stream to its end).
     """
     from torch.distributed.tensor import DTensor
 
-    state = module.state_dict()
-    owners = unit_of(module)
+    state = module.state_dict() if state is None else state
+    owners = unit_of(module, state.keys())
     current, per_tensor = None, set()
     try:
         for key, value in state.items():
@@ -119,12 +121,13 @@ def _stream(engine) -> Iterator[Tuple[str, Any]]:
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
     module = engine.module
-    keys = list(module.state_dict().keys())
+    state = module.state_dict()
     renamed: Dict[str, str] = {key: new for new, key in
-                               convert_weight_keys({k: k for k in keys},
+                               convert_weight_keys({k: k for k in state},
                                                    getattr(module, "_fsdp_wrapped_module", module)).items()}
     # plain (non-DTensor) entries stay where they are: _can_use admits only modules whose parameters are on the GPU
-    full = layered_full_tensors(module, narrow_ok=lambda dtype: _ROLLOUT_DTYPE is not None and dtype == _ROLLOUT_DTYPE)
+    full = layered_full_tensors(module, narrow_ok=lambda dtype: _ROLLOUT_DTYPE is not None and dtype == _ROLLOUT_DTYPE,
+                                state=state)
     named = ((renamed.get(k, k), t) for k, t in full)
     return unfuse_moe_params(named, engine.model_config.hf_config.model_type)
 
