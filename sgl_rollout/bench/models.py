@@ -34,10 +34,11 @@ LLAMA_TINY = dict(
 # A tiny Qwen3-MoE for the fast path's mixture-of-experts tests (issue 47, goal 4): 8 experts, 2 active, every
 # layer sparse (SGLang's Qwen3MoeDecoderLayer makes every layer a Qwen3MoeSparseMoeBlock,
 # ``sglang/srt/models/qwen3_moe.py``); 8 query and 4 key/value heads and a per-rank expert width of 64 at TP=2;
-# a vocabulary that is not a multiple of 64 (SGLang pads it).
+# a vocabulary that is not a multiple of 64 (SGLang pads it); head_dim 64, a size SGLang's fused rotary kernel takes
+# (with 32 its scheduler died on the first request: ``sgl_rollout.engine.core.fused_kv_rope_problem``).
 QWEN3_MOE_TINY = dict(
     hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
     vocab_size=1000, max_position_embeddings=512,
 )
 

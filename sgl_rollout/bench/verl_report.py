@@ -1345,7 +1345,8 @@ def write_report(out_dir: Path, run_dirs: Dict[int, Dict[str, Path]], config: Op
     for entry in comp["pairs"]:
         if orders and entry["pair"] in orders:
             entry["order"] = list(orders[entry["pair"]])
-    (out_dir / "comparison.json").write_text(json.dumps(comp, indent=1, default=str) + "\n")
+    # compact: a report's figures run to tens of thousands of numbers, and examples/ stays under 5 MB
+    (out_dir / "comparison.json").write_text(json.dumps(comp, separators=(",", ":"), default=str) + "\n")
     (out_dir / "comparison.md").write_text(markdown(comp))
     png = plot(comp, out_dir / "comparison.png")
     comp["plot"] = str(png) if png else None

@@ -44,9 +44,48 @@ def check_model_for_sglang(config: RolloutConfig) -> None:
     """
     from ..patches import qwen2_5_vl_vision_rope
 
-    why = qwen2_5_vl_vision_rope.refusal(config.model_path, installed_sglang())
+    why = qwen2_5_vl_vision_rope.refusal(config.model_path, installed_sglang()) or fused_kv_rope_problem(config)
     if why:
         raise UnsupportedSGLangVersion(why)
+
+
+#: Head sizes SGLang's CUDA rotary kernel takes; any other size runs a fallback kernel that cannot also write
+#: the KV cache (``RotaryEmbedding.__init__`` and ``forward_cuda``, ``sglang/srt/layers/rotary_embedding/base.py``,
+#: 0.5.10.post1 and 0.5.12).
+FUSED_ROPE_HEAD_SIZES = (64, 128, 256, 512)
+#: Model types whose attention asks the rotary kernel to write a bf16 KV cache (``enable_fused_set_kv_buffer``,
+#: ``sglang/srt/models/utils.py``) without checking that kernel first (``Qwen3MoeAttention``,
+#: ``sglang/srt/models/qwen3_moe.py``): with another head size the first request fails an assertion inside
+#: the scheduler ("save kv cache is not supported for fallback_rotary_embedding"), which then dies (seen on
+#: an H200 with SGLang 0.5.12 and head_dim 32, 2026-11-28).
+FUSED_KV_ROPE_MODEL_TYPES = ("qwen3_moe",)
+
+
+def fused_kv_rope_problem(config: RolloutConfig) -> Optional[str]:
+    """Why an engine for ``config`` would die on its first request, in one line, or None: a model type of
+    :data:`FUSED_KV_ROPE_MODEL_TYPES` whose head size is outside :data:`FUSED_ROPE_HEAD_SIZES`, served with a
+    bf16 KV cache (``kv_cache_dtype`` ``auto`` with a bf16 model, or ``bfloat16``). ``config.json`` is read as
+    JSON from ``config.model_path`` (none there: None)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(str(config.model_path), "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if cfg.get("model_type") not in FUSED_KV_ROPE_MODEL_TYPES:
+        return None
+    heads = cfg.get("num_attention_heads") or 1
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads
+    dtype = str(config.dtype if config.dtype != "auto" else cfg.get("dtype") or cfg.get("torch_dtype") or "")
+    kv = str(config.engine_kwargs.get("kv_cache_dtype") or "auto")
+    bf16_kv = (kv == "auto" and dtype in ("bfloat16", "bf16")) or kv in ("bfloat16", "bf16")
+    if head_dim in FUSED_ROPE_HEAD_SIZES or not bf16_kv:
+        return None
+    return (f"SGLang's {cfg['model_type']} attention dies on its first request with head_dim {head_dim} and a bf16 KV "
+            f"cache (its fused rotary kernel takes head sizes {', '.join(map(str, FUSED_ROPE_HEAD_SIZES))}); "
+            "serve it with dtype='float32' or kv_cache_dtype='fp8_e4m3', or use one of those head sizes")
 
 
 def check_tp_for_sglang(config: RolloutConfig) -> None:
