@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from pathlib import Path
 
@@ -634,6 +635,35 @@ class FakeNvml:
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         return [types.SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in self.procs]
+
+
+def test_nvml_sampler_records_sm_use_by_process_since_its_last_read(monkeypatch):
+    """``nvmlDeviceGetProcessUtilization`` gives samples after a timestamp: the sampler asks from the last one
+    it saw, keeps each process's largest figure per point, and records nothing where NVML cannot tell."""
+    monkeypatch.setattr(verl_compare, "process_name", lambda pid: {7: "sglang::scheduler", 8: "ray::Worker"}[pid])
+    asked = []
+
+    class Util(FakeNvml):
+        def nvmlDeviceGetProcessUtilization(self, h, since):
+            asked.append((h, since))
+            if h == 0:
+                raise RuntimeError("NVML_ERROR_NOT_FOUND")
+            return [types.SimpleNamespace(pid=7, smUtil=40, timeStamp=since + 5),
+                    types.SimpleNamespace(pid=7, smUtil=90, timeStamp=since + 9),
+                    types.SimpleNamespace(pid=8, smUtil=100, timeStamp=since + 2)]
+
+    s = verl_compare.NvmlSampler(nvml=Util([1, 2]))
+    s._handles = [0, 1]  # read by hand first, without the sampling thread
+    assert s._sm_by_name(1) == {"sglang::scheduler": 90, "ray::Worker": 100}
+    assert s._sm_by_name(1) and asked[-1] == (1, 9)  # the next read starts at the last sample seen
+    assert s._sm_by_name(0) == {}
+    sampler = verl_compare.NvmlSampler(interval_s=0.01, nvml=Util([1, 2])).start()
+    deadline = time.monotonic() + 10
+    while not sampler.sm_series and time.monotonic() < deadline:  # the thread takes its first point at once
+        time.sleep(0.01)
+    out = sampler.stop()
+    assert out["sm_series"] and all(len(gpus) == 2 for _t, gpus in out["sm_series"])
+    assert out["sm_series"][0][1] == [{}, {"sglang::scheduler": 90, "ray::Worker": 100}]
 
 
 def test_nvml_sampler_keeps_the_peak_and_reports_a_missing_nvml():

@@ -492,10 +492,32 @@ def test_the_engines_peak_in_each_awake_period_comes_from_the_process_series(tmp
     assert "- sgl-rollout: sglang::scheduler on GPU 1: 40100, 40700, 40500 (spread 600)" in lines
 
 
+def test_sm_use_by_process_comes_from_the_sm_series(tmp_path):
+    """A transfer worker that keeps SMs busy beside the engine shows in the report (the one-step-off
+    stall of 2026-11-28 could not be told apart from an idle GPU without it)."""
+    series = {"builtin": [{}, {"sglang::scheduler": 80}, {"sglang::scheduler": 60}, {}],
+              "ours": [{"ray::CheckpointEngineWorker": 100}, {"sglang::scheduler": 10, "ray::CheckpointEngineWorker": 100},
+                       {"sglang::scheduler": 30, "ray::CheckpointEngineWorker": 0}, {}]}
+
+    def edit(out):
+        for side, points in series.items():
+            path = out / "pair1" / side / "nvml.json"
+            nv = json.loads(path.read_text())
+            nv["sm_series"] = [[float(t), [{}, by_name]] for t, by_name in enumerate(points)]
+            path.write_text(json.dumps(nv))
+
+    comp, md, _out = report_only(tmp_path, "complete", edit)
+    ours = comp["pairs"][0]["runs"]["ours"]["sm_by_process"]
+    assert ours == {"GPU 1: ray::CheckpointEngineWorker": [2.0, 100.0], "GPU 1: sglang::scheduler": [2.0, 20.0]}
+    lines = md.splitlines()
+    assert "| GPU 1: ray::CheckpointEngineWorker |  | 2 s, 100% |" in lines
+    assert "| GPU 1: sglang::scheduler | 2 s, 70% | 2 s, 20% |" in lines
+
+
 def test_runs_recorded_without_processes_keep_their_report(tmp_path):
     comp, md, _out = report_only(tmp_path, "complete")
     assert "by process" not in md and "around the weight update" not in md and "awake" not in md
-    assert all("nvml_peak_processes" not in r for r in comp["pairs"][0]["runs"].values())
+    assert all("nvml_peak_processes" not in r and "sm_by_process" not in r for r in comp["pairs"][0]["runs"].values())
 
 
 # ------------------------------------------------------------------------------------ committed run folders

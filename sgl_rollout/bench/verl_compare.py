@@ -185,8 +185,12 @@ class NvmlSampler:
     at the moment of its peak
     (``nvmlDeviceGetComputeRunningProcesses``: ``{"pid", "name", "used_bytes"}``, name from
     :func:`process_name`), so a difference in the peak can be traced to the trainer, the engine host or
-    SGLang's scheduler (empty where the driver does not report them). Without NVML, ``error`` says why
-    and the peaks stay empty.
+    SGLang's scheduler (empty where the driver does not report them). ``sm_series`` one
+    ``(seconds since start, [{process name: SM utilization %} per GPU])`` point per second
+    (``nvmlDeviceGetProcessUtilization``, the largest figure of each process's samples since the last point;
+    empty where the driver does not report it): whether a GPU's time went to the engine or to a process
+    beside it (a kernel spinning in a transfer worker slows the engine that shares its GPU). Without NVML,
+    ``error`` says why and the peaks stay empty.
 
     Only the GPUs this process may use are sampled (:func:`visible_handles`), keyed ``"0"``, ``"1"``, ...
     as CUDA numbers them, so that two runs side by side on one host, each with its own
@@ -205,6 +209,8 @@ class NvmlSampler:
         self.baseline_bytes: Dict[str, int] = {}
         self.series: List[list] = []
         self.process_series: List[list] = []
+        self.sm_series: List[list] = []
+        self._sm_seen: Dict[int, int] = {}
         self.peak_processes: Dict[str, List[dict]] = {}
         self.error: Optional[str] = None
         self._nvml = nvml
@@ -224,6 +230,20 @@ class NvmlSampler:
         out = [{"pid": int(p.pid), "name": process_name(int(p.pid)),
                 "used_bytes": int(p.usedGpuMemory) if p.usedGpuMemory is not None else None} for p in procs]
         return sorted(out, key=lambda p: -(p["used_bytes"] or 0))
+
+    def _sm_by_name(self, i: int) -> Dict[str, int]:
+        """SM utilization (%) of each process name on GPU ``i`` since the last call, the largest of its
+        samples ({} where NVML cannot tell)."""
+        try:
+            samples = self._nvml.nvmlDeviceGetProcessUtilization(self._handles[i], self._sm_seen.get(i, 0))
+        except Exception:  # noqa: BLE001 - no samples yet (NVML_ERROR_NOT_FOUND), or not supported
+            return {}
+        out: Dict[str, int] = {}
+        for smp in samples:
+            self._sm_seen[i] = max(self._sm_seen.get(i, 0), int(smp.timeStamp))
+            name = process_name(int(smp.pid))
+            out[name] = max(out.get(name, 0), int(smp.smUtil))
+        return out
 
     def _by_name(self, i: int) -> Dict[str, int]:
         """Bytes each process name holds on GPU ``i`` now (:meth:`_processes`, summed by name)."""
@@ -269,6 +289,7 @@ class NvmlSampler:
             if now - last >= 1.0:
                 self.series.append([round(now, 1), used])
                 self.process_series.append([round(now, 1), [self._by_name(i) for i in range(len(used))]])
+                self.sm_series.append([round(now, 1), [self._sm_by_name(i) for i in range(len(used))]])
                 last = now
             self._stop.wait(self.interval_s)
 
@@ -286,6 +307,7 @@ class NvmlSampler:
             self._thread.join(timeout=2)
         return {"peak_used_bytes": self.peak_used_bytes, "baseline_bytes": self.baseline_bytes,
                 "interval_s": self.interval_s, "series": self.series, "process_series": self.process_series,
+                "sm_series": self.sm_series,
                 "peak_processes": self.peak_processes,
                 "error": self.error}
 

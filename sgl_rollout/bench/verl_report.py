@@ -500,14 +500,33 @@ def _step_metrics(later: List[dict]) -> Dict[str, dict]:
 
 def _nvml_summary(nvml: dict) -> dict:
     """What :func:`summarize_run` reports of ``nvml.json``: ``nvml_peak_gb``, ``nvml_error`` and, where
-    recorded, ``nvml_peak_processes`` and ``engine_awake_peaks``."""
+    recorded, ``nvml_peak_processes``, ``engine_awake_peaks`` and ``sm_by_process``."""
     peaks = [p for p in (nvml.get("peak_used_bytes") or {}).values() if p is not None]
     out = {"nvml_peak_gb": max(peaks) / 1e9 if peaks else None, "nvml_error": nvml.get("error")}
     if (by_process := peak_by_process(nvml)) is not None:  # runs recorded before it keep their report
         out["nvml_peak_processes"] = by_process
     if (awake := awake_peaks(nvml)) is not None:
         out["engine_awake_peaks"] = awake
+    if (sm := sm_by_process(nvml)):
+        out["sm_by_process"] = sm
     return out
+
+
+def sm_by_process(nvml: dict) -> Dict[str, List[float]]:
+    """How busy each process kept the SMs of its GPU, from ``nvml.json``'s ``sm_series``
+    (:class:`.verl_compare.NvmlSampler`; runs recorded before it have none: {}).
+
+    Returns:
+        ``"GPU <i>: <process name>"`` -> ``[seconds seen busy (SM utilization > 0), mean SM utilization % over
+        those seconds]``.
+    """
+    busy: Dict[str, List[int]] = {}
+    for _t, gpus in nvml.get("sm_series") or []:
+        for i, by_name in enumerate(gpus):
+            for name, util in by_name.items():
+                if util > 0:
+                    busy.setdefault(f"GPU {i}: {name}", []).append(util)
+    return {k: [float(len(v)), sum(v) / len(v)] for k, v in sorted(busy.items())}
 
 
 def _update_phases_by_step(by_step: Dict[int, List[dict]], update_by_step: Dict[int, Optional[float]]
@@ -995,6 +1014,7 @@ def markdown(comparison: dict) -> str:
         lines += _greedy_lines(entry) + _ckpt_lines(runs)
         lines += _peak_process_table(runs, cols)
         lines += _awake_lines(runs, cols)
+        lines += _sm_lines(runs, cols)
         lines += _memory_table(runs, cols)
         if entry.get("targets"):
             lines.append("| target | built-in | sgl-rollout | ratio | met |")
@@ -1185,6 +1205,22 @@ def _awake_lines(runs: dict, cols: List[str]) -> List[str]:
     return (["The engine's largest memory in each period it was awake (MiB; NVML, one sample a second; each "
              "period is one generation and the weight update before it; a sleep between two samples joins two periods):",
              ""] + lines + [""]) if lines else []
+
+
+def _sm_lines(runs: dict, cols: List[str]) -> List[str]:
+    """Markdown lines: each process's SM use per side (:func:`sm_by_process`); none without records."""
+    got = {s: runs[s].get("sm_by_process") or {} for s in cols}
+    names = sorted({n for g in got.values() for n in g})
+    if not names:
+        return []
+    out = ["SM use by process (NVML, one sample a second: seconds a process kept any SM busy, and its mean SM "
+           "utilization over those seconds):", "",
+           "| process | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
+           "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+    for n in names:
+        cells = [f"{got[s][n][0]:.0f} s, {got[s][n][1]:.0f}%" if n in got[s] else "" for s in cols]
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    return out + [""]
 
 
 def _peak_process_table(runs: dict, cols: List[str]) -> List[str]:
