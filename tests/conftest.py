@@ -37,9 +37,9 @@ def pytest_unconfigure(config):
     """End the test process with pytest's own status once pytest has reported everything, without the
     interpreter's teardown: that teardown finalises native extensions (triton's nanobind module prints
     its leaks there), and once in five clean-clone CI runs on 2 cores it ended in a segmentation fault
-    after every test had passed, turning a green run red. ``SGL_ROLLOUT_TEST_TEARDOWN=1`` keeps the
+    after every test had passed, turning a green run red. ``SGLROLLOUT_TEST_TEARDOWN=1`` keeps the
     teardown (to look at that crash)."""
-    if "exitstatus" in _SESSION and os.environ.get("SGL_ROLLOUT_TEST_TEARDOWN") != "1":
+    if "exitstatus" in _SESSION and os.environ.get("SGLROLLOUT_TEST_TEARDOWN") != "1":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_SESSION["exitstatus"])

@@ -89,7 +89,7 @@ def test_fast_sync_registers_the_loader_once_and_keeps_the_users():
 
 
 def test_the_gpu_suites_fast_sync_switch_changes_only_the_default():
-    """``SGL_ROLLOUT_GPU_FAST_SYNC=0 pytest -m gpu`` runs the worker's GPU suite on the flattened buckets,
+    """``SGLROLLOUT_GPU_FAST_SYNC=0 pytest -m gpu`` runs the worker's GPU suite on the flattened buckets,
     ``=1`` on the fast path (the default) (tests/gpu/conftest.py)."""
     from gpu.conftest import fast_sync_default
 

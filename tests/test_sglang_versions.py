@@ -20,7 +20,7 @@ from sgl_rollout.patches import tp_memory_imbalance as patch
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Where ``make test`` unpacks the other releases' source (``tests/sglang_sources.py``).
-SOURCES = Path(os.environ.get("SGL_ROLLOUT_SGLANG_SOURCES", Path(sys.prefix) / "sglang-src"))
+SOURCES = Path(os.environ.get("SGLROLLOUT_SGLANG_SOURCES", Path(sys.prefix) / "sglang-src"))
 NEWEST = "0.5.23"
 
 

@@ -1,7 +1,7 @@
 """The layered gather (``sgl_rollout.integrations.verl_gather``) on FSDP2 over gloo, 2 CPU processes: the same
 names, order and values as verl's per-tensor ``full_tensor()`` stream, every unit resharded after it (also when
 the reader stops early), training goes on after it; verl's key renaming and MoE unfusing applied as verl applies
-them; the wrapper of verl's ``get_per_tensor_param`` switches on ``SGL_ROLLOUT_LAYERED_GATHER=1`` only."""
+them; the wrapper of verl's ``get_per_tensor_param`` switches on ``SGLROLLOUT_LAYERED_GATHER=1`` only."""
 
 import os
 import socket

@@ -33,7 +33,7 @@ LOOP_NAME = "sgl_rollout_tool_turns"
 TURNS = 3
 #: Environment variable naming the folder where each process of the loop logs its greedy episodes'
 #: token ids (:func:`log_greedy_episode`); ``bench verl --task tools`` sets it in verl's workers.
-TURNS_DIR_ENV = "SGL_ROLLOUT_TURNS_DIR"
+TURNS_DIR_ENV = "SGLROLLOUT_TURNS_DIR"
 
 
 def text_stats(text: str) -> str:
@@ -45,7 +45,7 @@ def text_stats(text: str) -> str:
 def log_greedy_episode(prompt: List[int], turns: List[List[int]], sampling_params: dict, environ=None) -> bool:
     """Append one greedy episode (``temperature`` 0: verl's validation) as a JSON line ``{"t", "prompt",
     "turns"}`` (wall-clock seconds, the prompt's token ids, each assistant turn's token ids) to
-    ``$SGL_ROLLOUT_TURNS_DIR/turns-<pid>.jsonl``; the report compares the two sides' turns token by token
+    ``$SGLROLLOUT_TURNS_DIR/turns-<pid>.jsonl``; the report compares the two sides' turns token by token
     (:func:`sgl_rollout.bench.verl_report.turn_agreement`). Returns whether it wrote; nothing without the
     variable or for a sampled episode, and never raises (a lost line costs the comparison, not the run)."""
     environ = os.environ if environ is None else environ

@@ -12,7 +12,7 @@ thread of its own (as Ray runs an async actor's loop), against an engine double 
   SGLang's tokenizer manager (the floor);
 * ``caller-loop``: :class:`RolloutEngine` with ``loop=`` the caller's loop (what
   :class:`sgl_rollout.server.RolloutServer` uses);
-* ``engine-thread``: :class:`RolloutEngine` on its own thread's loop (``SGL_ROLLOUT_ENGINE_LOOP=thread``).
+* ``engine-thread``: :class:`RolloutEngine` on its own thread's loop (``SGLROLLOUT_ENGINE_LOOP=thread``).
 
 Per round it records ``in_s`` (seconds from the first call to the last request reaching the double) and
 ``back_s`` (seconds from the double answering to the last caller having its answer). No GPU, SGLang or

@@ -340,7 +340,7 @@ def visible_handles(nvml, cuda_visible_devices: Optional[str]) -> list:
 #: that side runs ``RolloutConfig.fast_sync``'s default: the fast path).
 FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true"
 #: The environment switch of the layered gather (``--ours-layered-gather`` sets it on sgl-rollout's side).
-GATHER_ENV = "SGL_ROLLOUT_LAYERED_GATHER"
+GATHER_ENV = "SGLROLLOUT_LAYERED_GATHER"
 #: The asynchronous trainers' checkpoint-engine key (``--ours-checkpoint-engine`` sets it on sgl-rollout's side).
 CKPT_BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 
@@ -430,7 +430,7 @@ def side_command(side: str, model_dir: Path, run_dir: Path, ngpus: int, tp: int,
 def side_env(side: str, run_dir: Path, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     """The environment of one side's verl process."""
     env = dict(os.environ if base is None else base)
-    env.update(VERL_USE_EXTERNAL_PLUGINS=PLUGINS[side], SGL_ROLLOUT_PROBE_DIR=str(run_dir / "spans"),
+    env.update(VERL_USE_EXTERNAL_PLUGINS=PLUGINS[side], SGLROLLOUT_PROBE_DIR=str(run_dir / "spans"),
                VERL_FILE_LOGGER_PATH=str(run_dir / "metrics.jsonl"), HYDRA_FULL_ERROR="1", PYTHONUNBUFFERED="1")
     return env
 

@@ -12,7 +12,7 @@ verl adds to it) and runs :func:`setup_hook` in each worker process it starts, b
 workers, the engine actors and the agent-loop workers on both sides, independently of verl's plugin
 list: the built-in side loads no plugin at all (``VERL_USE_EXTERNAL_PLUGINS=none``).
 
-With ``SGL_ROLLOUT_PROBE_DIR`` set, :func:`install` (the hook's work) does two things:
+With ``SGLROLLOUT_PROBE_DIR`` set, :func:`install` (the hook's work) does two things:
 
 * for this package, it subscribes to the spans the package emits itself (:mod:`sgl_rollout.trace`:
   ``rollout.*``, ``server.*``) and writes each one as a record (:func:`record_span`); nothing of this
@@ -20,7 +20,7 @@ With ``SGL_ROLLOUT_PROBE_DIR`` set, :func:`install` (the hook's work) does two t
 * for verl, SGLang and torch, which emit no spans, it wraps the functions of :data:`TARGETS` as their
   modules are imported (``wrapt``'s post-import hooks).
 
-Each span becomes one JSON line of ``$SGL_ROLLOUT_PROBE_DIR/spans-<pid>.jsonl``. Without the variable it
+Each span becomes one JSON line of ``$SGLROLLOUT_PROBE_DIR/spans-<pid>.jsonl``. Without the variable it
 does nothing.
 
 A span is ``{"name", "t0", "dt", "pid", "rank", "step"?, "busy"?, "n"?, "error"?}``: ``t0`` wall-clock
@@ -86,7 +86,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from .. import trace
 
 #: Environment variable naming the folder the spans go to; unset, the probe installs nothing.
-ENV_DIR = "SGL_ROLLOUT_PROBE_DIR"
+ENV_DIR = "SGLROLLOUT_PROBE_DIR"
 #: What each side's command gives Ray as ``runtime_env.worker_process_setup_hook`` (see the module docstring).
 SETUP_HOOK = "sgl_rollout.bench.verl_probe.setup_hook"
 

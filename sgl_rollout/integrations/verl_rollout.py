@@ -121,7 +121,7 @@ class SglRollout(VerlWeightSync, BaseRollout):
         check_verl_tp(self.config, self.model_config, int(world) if world.isdigit() else None)
         self.rollout_config = rollout_config_for_verl(self.config, model_path_of(self.model_config),
                                                       model_config=self.model_config)
-        # inert unless SGL_ROLLOUT_LAYERED_GATHER=1: this trainer worker's FSDP engine gathers by unit
+        # inert unless SGLROLLOUT_LAYERED_GATHER=1: this trainer worker's FSDP engine gathers by unit
         verl_gather.install(rollout_dtype=self.rollout_config.dtype)
         self.sleep_level = self.rollout_config.sleep_level
         self.tp_size = self.rollout_config.tensor_model_parallel_size

@@ -1,6 +1,6 @@
 """GPU tests: selected with ``pytest -m gpu``; skipped where CUDA or SGLang's kernels are absent.
 
-``SGL_ROLLOUT_GPU_FAST_SYNC=0`` runs them with ``RolloutConfig.fast_sync`` off by default, ``=1`` on (the
+``SGLROLLOUT_GPU_FAST_SYNC=0`` runs them with ``RolloutConfig.fast_sync`` off by default, ``=1`` on (the
 package's default; a config that sets it keeps its value): the worker's GPU suite on the flattened
 buckets or on the fast-path weight sync.
 """
@@ -74,10 +74,10 @@ def fast_sync_default(on: bool):
 
 
 def pytest_configure(config):
-    """With ``SGL_ROLLOUT_GPU_FAST_SYNC`` set to 0 or 1, the whole session runs under
+    """With ``SGLROLLOUT_GPU_FAST_SYNC`` set to 0 or 1, the whole session runs under
     :func:`fast_sync_default` (False or True), set before any fixture (module-scoped workers included)
     builds a config."""
-    value = os.environ.get("SGL_ROLLOUT_GPU_FAST_SYNC")
+    value = os.environ.get("SGLROLLOUT_GPU_FAST_SYNC")
     if value in ("0", "1"):
         config._sgl_rollout_fast_sync = contextlib.ExitStack()
         config._sgl_rollout_fast_sync.enter_context(fast_sync_default(value == "1"))

@@ -49,7 +49,7 @@ def _trainer(model_dir, out_dir, per_device_batch=4, tp=1):
     args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=per_device_batch, num_generations=4,
                       max_completion_length=8, max_steps=2, report_to="none", logging_steps=1, save_strategy="no",
                       bf16=True, gradient_checkpointing=False, beta=0.0, learning_rate=1e-3)
-    fast = os.environ.get("SGL_ROLLOUT_GPU_FAST_SYNC")  # a rank process has no conftest: pass the suite's choice
+    fast = os.environ.get("SGLROLLOUT_GPU_FAST_SYNC")  # a rank process has no conftest: pass the suite's choice
     rollout = RolloutConfig(model_path=model_dir, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True,
                             tensor_model_parallel_size=tp, engine_kwargs=gpu_engine_flags(),
                             **({"fast_sync": fast == "1"} if fast in ("0", "1") else {}))
