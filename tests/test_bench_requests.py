@@ -21,7 +21,8 @@ def test_each_way_answers_every_request_and_times_the_rounds(mode):
     assert res["in_s"] == sorted(r["in_s"] for r in res["rounds"])[1]
 
 
-def test_a_wrong_answer_is_caught(monkeypatch):
+@pytest.mark.parametrize("mode", ["caller-loop", "verl-server"])
+def test_a_wrong_answer_is_caught(monkeypatch, mode):
     real = requests.BatchAnswerEngine.async_generate
 
     async def swapped(self, input_ids, *args, **kwargs):
@@ -30,7 +31,7 @@ def test_a_wrong_answer_is_caught(monkeypatch):
 
     monkeypatch.setattr(requests.BatchAnswerEngine, "async_generate", swapped)
     with pytest.raises(AssertionError, match="not their request's"):
-        requests.measure("caller-loop", requests=8, rounds=1, warmup=0, output_len=3)
+        requests.measure(mode, requests=8, rounds=1, warmup=0, output_len=3)
 
 
 def test_the_command_prints_a_row_per_way_and_writes_the_json(tmp_path):

@@ -12,7 +12,10 @@ thread of its own (as Ray runs an async actor's loop), against an engine double 
   SGLang's tokenizer manager (the floor);
 * ``caller-loop``: :class:`RolloutEngine` with ``loop=`` the caller's loop (what
   :class:`sgl_rollout.server.RolloutServer` uses);
-* ``engine-thread``: :class:`RolloutEngine` on its own thread's loop (``SGLROLLOUT_ENGINE_LOOP=thread``).
+* ``engine-thread``: :class:`RolloutEngine` on its own thread's loop (``SGLROLLOUT_ENGINE_LOOP=thread``);
+* ``verl-server``: verl's whole call into this package, :meth:`VerlRolloutServer.generate
+  <sgl_rollout.integrations.verl_server.VerlRolloutServer.generate>` (its checks, admission, verl's
+  ``TokenOutput``) over the engine on the caller's loop, as the server actor runs it (needs verl).
 
 Per round it records ``in_s`` (seconds from the first call to the last request reaching the double) and
 ``back_s`` (seconds from the double answering to the last caller having its answer). No GPU, SGLang or
@@ -31,7 +34,7 @@ import time
 import types
 from typing import Any, Awaitable, Callable, Dict, List, Optional
 
-MODES = ("sglang", "caller-loop", "engine-thread")
+MODES = ("sglang", "caller-loop", "engine-thread", "verl-server")
 
 
 class BatchAnswerEngine:
@@ -132,7 +135,11 @@ def measure(mode: str, requests: int = 256, rounds: int = 10, warmup: int = 2,
     from ..engine import RolloutEngine
 
     async def main() -> List[Dict[str, float]]:
-        if mode == "sglang":
+        server = None
+        if mode == "verl-server":
+            server, call = await _verl_server_call(requests, output_len)
+            engine, double = None, server._engine._engine
+        elif mode == "sglang":
             double = BatchAnswerEngine(requests, output_len)
 
             async def call(ids):
@@ -153,10 +160,35 @@ def measure(mode: str, requests: int = 256, rounds: int = 10, warmup: int = 2,
         finally:
             if engine is not None:
                 engine.shutdown()
+            if server is not None:
+                await server.shutdown()
 
     per = on_a_loop_thread(main)
     return {"mode": mode, "requests": requests, "rounds": per,
             "in_s": statistics.median(r["in_s"] for r in per), "back_s": statistics.median(r["back_s"] for r in per)}
+
+
+async def _verl_server_call(requests: int, output_len: int):
+    """A started :class:`~sgl_rollout.integrations.verl_server.VerlRolloutServer` on :class:`BatchAnswerEngine`
+    (on the running loop, as in the actor) and the call verl's client makes of it, per request.
+
+    Raises:
+        ImportError: verl (or Ray) is not installed.
+    """
+    from ..integrations.verl_server import VerlRolloutServer
+
+    class Server(VerlRolloutServer):
+        engine_factory = functools.partial(BatchAnswerEngine, requests, output_len)
+
+    server = Server({"model_path": "bench-double", "enforce_eager": True, "free_cache_engine": False},
+                    max_model_len=output_len + 64, response_length=output_len)
+    await server.start()
+
+    async def call(ids):
+        out = await server.generate(ids, {"max_new_tokens": output_len, "temperature": 0.0}, request_id="bench")
+        return list(out.token_ids)
+
+    return server, call
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -169,7 +201,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Measure each mode, print a table (ms per round, microseconds per request) and write ``args.out``."""
-    results = [measure(m, args.requests, args.rounds) for m in args.modes.split(",")]
+    results = []
+    for m in args.modes.split(","):
+        try:
+            results.append(measure(m, args.requests, args.rounds))
+        except ImportError as exc:  # verl-server without verl
+            print(f"{m}: skipped ({exc})")
     n = args.requests
     print(f"{n} concurrent requests, median of {args.rounds} rounds (CPU, engine double):")
     print(f"{'mode':<14}{'all in (ms)':>12}{'all back (ms)':>14}{'us/request in':>15}{'us/request back':>17}")
