@@ -872,14 +872,14 @@ def test_random_model_is_written_by_a_child_process(tmp_path, monkeypatch):
     children = []
     real_run = subprocess.run
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: children.append(cmd) or real_run(cmd, **kw))
-    out = verl_compare.random_llama_like(src, tmp_path / "random")
+    out = verl_compare.random_model_like(src, tmp_path / "random")
     assert len(children) == 1 and children[0][0] == sys.executable
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vocab_size"] == 96 and cfg["hidden_size"] == models.LLAMA_TINY["hidden_size"]
     assert (out / "tokenizer.json").is_file() and list(out.glob("*.safetensors"))
     assert (out / "model.safetensors").read_bytes() != b"not copied"
     assert not torch.cuda.is_initialized()
-    assert verl_compare.random_llama_like(src, tmp_path / "random") == out and len(children) == 1  # written once
+    assert verl_compare.random_model_like(src, tmp_path / "random") == out and len(children) == 1  # written once
 
 
 def test_the_8b_random_shape_is_a_7b_plus_model_sent_to_the_child(tmp_path, monkeypatch):
@@ -892,7 +892,7 @@ def test_the_8b_random_shape_is_a_7b_plus_model_sent_to_the_child(tmp_path, monk
     (src / "config.json").write_text(json.dumps({"vocab_size": 49152}))
     sent = []
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: sent.append(json.loads(cmd[-2])))
-    verl_compare.random_llama_like(src, tmp_path / "random8b", "8b")
+    verl_compare.random_model_like(src, tmp_path / "random8b", "8b")
     (dims,) = sent
     h, i, n, kv = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"], dims["num_key_value_heads"]
     head = h // dims["num_attention_heads"]
@@ -900,10 +900,40 @@ def test_the_8b_random_shape_is_a_7b_plus_model_sent_to_the_child(tmp_path, monk
     assert dims["vocab_size"] == 49152 and dims["hidden_size"] == models.LLAMA3_8B["hidden_size"]
     assert 7.0e9 < params < 8.0e9, params
     with pytest.raises(ValueError, match="unknown random model shape"):
-        verl_compare.random_llama_like(src, tmp_path / "x", "70b")
+        verl_compare.random_model_like(src, tmp_path / "x", "70b")
     parser = argparse.ArgumentParser()
     verl_compare.add_arguments(parser)
     assert parser.parse_args(["--random-model", "8b"]).random_model == "8b"
+
+
+def test_the_moe_random_shape_writes_a_qwen3_moe_sglang_loads_per_expert(tmp_path, monkeypatch):
+    """``--random-model moe`` (issue 47, goal 4's bench pair): a Qwen3-MoE with the source's vocabulary and
+    tokenizer files, its checkpoint one tensor per expert and projection (what SGLang's ``load_weights``
+    reads), a head size SGLang's fused rotary kernel takes; written by the child (a tiny shape here)."""
+    from safetensors import safe_open
+
+    from sgl_rollout.bench import models
+    from sgl_rollout.config import RolloutConfig
+    from sgl_rollout.engine.core import fused_kv_rope_problem
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"vocab_size": 96}))
+    (src / "tokenizer.json").write_text("{}")
+    tiny = {k: v for k, v in models.QWEN3_MOE_TINY.items() if k != "vocab_size"}
+    monkeypatch.setattr(models, "QWEN3_MOE_BENCH", dict(tiny, num_hidden_layers=2))
+    out = verl_compare.random_model_like(src, tmp_path / "moe", "moe")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe" and cfg["vocab_size"] == 96
+    assert cfg.get("num_experts", cfg.get("num_local_experts")) == 8  # transformers 5 writes num_local_experts
+    assert (out / "tokenizer.json").is_file()
+    names = set()
+    for f in out.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            names |= set(st.keys())
+    assert {f"model.layers.1.mlp.experts.7.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")} <= names
+    assert not any(n.endswith("experts.gate_up_proj") for n in names)
+    assert fused_kv_rope_problem(RolloutConfig(model_path=str(out))) is None
 
 
 # ------------------------------------------------------------------------------------ --nnodes

@@ -41,6 +41,14 @@ QWEN3_MOE_TINY = dict(
     num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
     vocab_size=1000, max_position_embeddings=512,
 )
+# ``bench verl --random-model moe`` (issue 47, goal 4): a Qwen3-MoE of 8 experts, 2 active, 16 layers, with
+# Qwen3-30B-A3B's expert width (768) and head size (128); about 0.4B parameters besides the embeddings
+# (0.5B with SmolLM2's vocabulary, 1 GB in bf16): one GPU, TP=2 too (16 query and 4 key/value heads).
+QWEN3_MOE_BENCH = dict(
+    hidden_size=1024, intermediate_size=3072, moe_intermediate_size=768, num_hidden_layers=16, num_attention_heads=16,
+    num_key_value_heads=4, head_dim=128, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+    max_position_embeddings=4096,
+)
 
 
 def make_llama_dir(path: str, shape: Dict, dtype: torch.dtype = torch.bfloat16, with_weights: bool = False,
@@ -77,7 +85,7 @@ def make_llama_dir(path: str, shape: Dict, dtype: torch.dtype = torch.bfloat16, 
 
 
 def make_qwen3_moe_dir(path: str, shape: Dict = QWEN3_MOE_TINY, dtype: torch.dtype = torch.bfloat16,
-                       seed: int = 0, init_std: float = 0.15):
+                       seed: int = 0, init_std: float = 0.15, device: str = "cpu"):
     """Write a Qwen3-MoE Hugging Face model folder of ``shape`` with random weights (config and safetensors).
 
     Every matrix (experts and router included) is drawn from N(0, ``init_std``) by transformers' own init
@@ -92,6 +100,7 @@ def make_qwen3_moe_dir(path: str, shape: Dict = QWEN3_MOE_TINY, dtype: torch.dty
         shape: ``Qwen3MoeConfig`` fields (:data:`QWEN3_MOE_TINY`); ``tie_word_embeddings`` optional.
         dtype: ``torch_dtype`` of the config and of the saved weights.
         seed, init_std: random init of the matrices.
+        device: where the weights are initialised (``"cuda"`` for :data:`QWEN3_MOE_BENCH`'s size).
 
     Returns:
         the ``Qwen3MoeForCausalLM`` (``dtype``, on CPU) whose weights were saved.
@@ -104,7 +113,9 @@ def make_qwen3_moe_dir(path: str, shape: Dict = QWEN3_MOE_TINY, dtype: torch.dty
                          torch_dtype=dtype, bos_token_id=1, eos_token_id=2, decoder_sparse_step=1, mlp_only_layers=[])
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg).to(dtype)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg).to(dtype)
+    model = model.to("cpu")
     model.save_pretrained(path, safe_serialization=True)
     return model
 

