@@ -43,14 +43,15 @@ def _groups():
     return out  # rank 0: the trainer (GPU 1); rank 1: the rollout TP rank (GPU 0)
 
 
-def _sync(worker, groups, named):
-    """Trainer thread on GPU 1 sends, this thread (the engine's GPU 0) receives inside the sync fence."""
+def _sync(worker, groups, named, renamer=None):
+    """Trainer thread on GPU 1 sends, this thread (the engine's GPU 0) receives inside the sync fence;
+    ``renamer`` as :func:`send_plan_buckets` takes it (verl's backend: the trainer's names to the checkpoint's)."""
     got = {}
 
     def trainer():
         torch.cuda.set_device(1)
         try:
-            got["trainer"] = send_plan_buckets(groups[0], [(1, 0)], named)
+            got["trainer"] = send_plan_buckets(groups[0], [(1, 0)], named, renamer=renamer)
         except BaseException as exc:  # noqa: BLE001
             got["trainer"] = exc
 
