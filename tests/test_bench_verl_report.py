@@ -101,9 +101,14 @@ def test_markdown_has_both_sides_figures_and_the_breakdown(tmp_path):
     assert "| ray: driver <-> trainer workers |" in md
 
 
-def test_plot_is_a_png(tmp_path):
+def test_plot_is_a_png_of_256_colours(tmp_path):
+    """A palette PNG: the committed reports share examples/' 5 MB (an RGBA plot is about twice the bytes)."""
+    from PIL import Image
+
     _comp, _md, out = report_only(tmp_path, "complete")
     assert (out / "comparison.png").read_bytes()[:8] == PNG_MAGIC
+    with Image.open(out / "comparison.png") as img:
+        assert img.mode == "P" and img.width > 500
 
 
 # ------------------------------------------------------------------------------------ several pairs

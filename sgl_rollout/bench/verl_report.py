@@ -578,6 +578,15 @@ def _metric(run: dict, key: str, stat: str = "median") -> Optional[float]:
     return m.get(stat) if m else None
 
 
+def _trainer_key(builtin: dict, ours: dict, keys: Tuple[str, ...]) -> str:
+    """The first of ``keys`` whose median both runs recorded and is not 0 (the trainer's own name for the
+    figure); the last of ``keys`` when none is."""
+    for key in keys:
+        if all(_metric(run, key) for run in (builtin, ours)):
+            return key
+    return keys[-1]
+
+
 def _last(series: List[list]) -> Optional[float]:
     vals = [v for _s, v in series if v is not None]
     return vals[-1] if vals else None
@@ -600,21 +609,25 @@ def targets(builtin: dict, ours: dict, n_val: int) -> List[dict]:
     """The issue's targets for one pair, each ``{"target", "builtin", "ours", "ratio", "met"}`` (``met``
     None when a side lacks the figure):
 
-    * ``timing_s/update_weights`` median: ours <= half the built-in's;
-    * ``timing_s/gen``, ``timing_s/step`` medians, ``actor/perf/max_memory_allocated_gb`` and the
-      NVML peak: ours <= the built-in's;
+    * the weight update's median (``timing_s/update_weights``; the fully-async trainer's
+      ``timing_s/param_sync``): ours <= half the built-in's;
+    * the generation's median (``timing_s/gen``; the one-step-off trainer's ``timing_s/generate_async``,
+      its ``timing_s/gen`` being 0 after the first step), ``timing_s/step``,
+      ``actor/perf/max_memory_allocated_gb`` and the NVML peak: ours <= the built-in's;
     * last held-out accuracy: within :func:`accuracy_noise`.
     """
     rows = []
+    upd = _trainer_key(builtin, ours, (UPDATE_KEY, "timing_s/param_sync"))
+    gen = _trainer_key(builtin, ours, ("timing_s/generate_async", "timing_s/gen"))
 
     def add(target, b, o, limit_ratio):
         ratio = (o / b) if (b not in (None, 0) and o is not None) else None
         rows.append({"target": target, "builtin": b, "ours": o, "ratio": ratio,
                      "met": None if ratio is None else ratio <= limit_ratio})
 
-    add(f"timing_s/update_weights (median) <= {UPDATE_TARGET_RATIO}x built-in", _metric(builtin, UPDATE_KEY),
-        _metric(ours, UPDATE_KEY), UPDATE_TARGET_RATIO)
-    add("timing_s/gen (median) <= built-in", _metric(builtin, "timing_s/gen"), _metric(ours, "timing_s/gen"), 1.0)
+    add(f"{upd} (median) <= {UPDATE_TARGET_RATIO}x built-in", _metric(builtin, upd), _metric(ours, upd),
+        UPDATE_TARGET_RATIO)
+    add(f"{gen} (median) <= built-in", _metric(builtin, gen), _metric(ours, gen), 1.0)
     add("timing_s/step (median) <= built-in", _metric(builtin, "timing_s/step"), _metric(ours, "timing_s/step"), 1.0)
     add("actor/perf/max_memory_allocated_gb <= built-in", _metric(builtin, MEMORY_KEYS[0], "p90"),
         _metric(ours, MEMORY_KEYS[0], "p90"), 1.0)
@@ -1323,9 +1336,23 @@ def plot(comparison: dict, path: Path) -> Optional[Path]:
         ax2.legend(list(seen.values()), list(seen.keys()), fontsize=6, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path, dpi=110)
+    save_palette_png(fig, path, dpi=110)
     plt.close(fig)
     return path
+
+
+def save_palette_png(fig, path: Path, dpi: int) -> None:
+    """Save a Matplotlib figure as a 256-colour PNG (Pillow's median-cut palette): a bar chart looks the same at
+    about half the bytes of Matplotlib's RGBA file, and the reports committed under ``examples/`` share 5 MB."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    buf.seek(0)
+    with Image.open(buf) as img:
+        img.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(path, format="PNG", optimize=True)
 
 
 #: The raw files of a committed run folder, in one archive at its top: ``pairN/<side>/`` (``metrics.jsonl``,
