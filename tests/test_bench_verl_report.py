@@ -723,3 +723,19 @@ def test_the_step_own_part_is_one_line_summing_what_the_package_owns():
     assert verl_report._owned_line({"ours": {}}, ["ours"]) == []
     fully_async = {"metrics": {"timing_s/param_sync": {"median": 0.078}}}  # the asynchronous trainers' sync
     assert verl_report.owned_seconds(fully_async) == (0.078, ["sync"])
+
+
+def test_targets_use_each_trainers_own_generation_and_sync_figures():
+    """One-step-off logs its generation as ``timing_s/generate_async`` (``timing_s/gen`` is 0 after step 1),
+    fully-async its sync as ``timing_s/param_sync``: the targets compare those, not zeros or n/a."""
+    def run(**medians):
+        return {"metrics": {k.replace("__", "/"): {"median": v, "p90": v} for k, v in medians.items()}}
+
+    rows = verl_report.targets(run(timing_s__gen=0.0, timing_s__generate_async=10.0, timing_s__update_weights=0.4),
+                               run(timing_s__gen=0.0, timing_s__generate_async=12.0, timing_s__update_weights=0.1), 128)
+    by = {r["target"].split(" ")[0]: r for r in rows}
+    assert by["timing_s/generate_async"]["ratio"] == 1.2 and by["timing_s/generate_async"]["met"] is False
+    assert by["timing_s/update_weights"]["met"] is True
+    rows = verl_report.targets(run(timing_s__gen=2.0, timing_s__param_sync=0.4), run(timing_s__gen=1.0, timing_s__param_sync=0.1), 128)
+    by = {r["target"].split(" ")[0]: r for r in rows}
+    assert by["timing_s/gen"]["met"] is True and by["timing_s/param_sync"]["ratio"] == 0.25
