@@ -739,3 +739,34 @@ def test_targets_use_each_trainers_own_generation_and_sync_figures():
     rows = verl_report.targets(run(timing_s__gen=2.0, timing_s__param_sync=0.4), run(timing_s__gen=1.0, timing_s__param_sync=0.1), 128)
     by = {r["target"].split(" ")[0]: r for r in rows}
     assert by["timing_s/gen"]["met"] is True and by["timing_s/param_sync"]["ratio"] == 0.25
+
+
+def test_a_side_that_started_with_empty_kernel_caches_is_named(tmp_path):
+    caches = {"builtin": {"triton": {"path": "/x", "files": 812, "bytes": 1}, "flashinfer": {"path": "/y", "files": 3, "bytes": 1}},
+              "ours": {"triton": {"path": "/x", "files": 0, "bytes": 0}, "flashinfer": {"path": "/y", "files": 0, "bytes": 0}}}
+
+    def edit(out):
+        for side, c in caches.items():
+            path = out / "pair1" / side / "run.json"
+            info = json.loads(path.read_text())
+            info["jit_caches"] = c
+            path.write_text(json.dumps(info))
+
+    comp, md, _out = report_only(tmp_path, "complete", edit)
+    assert comp["pairs"][0]["runs"]["ours"]["jit_caches"] == caches["ours"]
+    lines = md.splitlines()
+    assert "- verl built-in: triton 812, flashinfer 3" in lines and "- sgl-rollout: triton 0, flashinfer 0" in lines
+    assert any(ln.startswith("- **the sides did not start alike**: sgl-rollout") for ln in lines)
+
+
+def test_jit_cache_state_counts_each_cache_folder(tmp_path):
+    from sgl_rollout.bench.processes import jit_cache_state
+
+    (tmp_path / "tri" / "ab").mkdir(parents=True)
+    (tmp_path / "tri" / "ab" / "k.cubin").write_bytes(b"x" * 10)
+    (tmp_path / "fi" / ".cache" / "flashinfer").mkdir(parents=True)
+    state = jit_cache_state({"TRITON_CACHE_DIR": str(tmp_path / "tri"), "FLASHINFER_WORKSPACE_BASE": str(tmp_path / "fi"),
+                             "TVM_FFI_CACHE_DIR": str(tmp_path / "none")})
+    assert state["triton"]["files"] == 1 and state["triton"]["bytes"] == 10
+    assert state["flashinfer"]["files"] == 0 and state["flashinfer"]["path"].endswith(".cache/flashinfer")
+    assert state["tvm-ffi"] == {"path": str(tmp_path / "none"), "files": 0, "bytes": 0}

@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .processes import process_name
+from .processes import jit_cache_state, process_name
 from .verl_trainers import MODULES, SYNC_KEYS, TRAINERS, override_value, split_gpus, trainer_overrides, with_overrides
 
 #: ``VERL_USE_EXTERNAL_PLUGINS`` of each side (verl/__init__.py: ``none`` loads no plugin, a comma list only
@@ -462,9 +462,11 @@ def run_side(side: str, pair: int, cmd: List[str], env: Dict[str, str], run_dir:
 
     Returns:
         ``run.json``'s content: ``side``, ``pair``, ``steps`` (planned), ``exit_code`` (None on a
-        timeout), ``wall_s``, ``error``, ``command``.
+        timeout), ``wall_s``, ``error``, ``command``, ``jit_caches`` (:func:`~.processes.jit_cache_state` at
+        the start: a side that starts cold compiles kernels in its first generation).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
+    caches = jit_cache_state(env)
     (run_dir / "command.sh").write_text(" ".join(_quote(c) for c in cmd) + "\n")
     sampler = sampler_factory().start()
     t0 = time.monotonic()
@@ -487,7 +489,7 @@ def run_side(side: str, pair: int, cmd: List[str], env: Dict[str, str], run_dir:
     if code not in (0, None) and error is None:
         error = last_error_line(run_dir / "train.log")
     info = {"side": side, "pair": pair, "steps": steps, "exit_code": code, "wall_s": round(wall, 1),
-            "error": error, "command": cmd, "plugins": env.get("VERL_USE_EXTERNAL_PLUGINS")}
+            "error": error, "command": cmd, "plugins": env.get("VERL_USE_EXTERNAL_PLUGINS"), "jit_caches": caches}
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
     _wait_gpu_idle(sampler)
     return info

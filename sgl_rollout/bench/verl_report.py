@@ -413,7 +413,7 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     out: dict = {"dir": str(run_dir), "side": info.get("side"), "pair": info.get("pair"),
                  "planned_steps": planned_steps if planned_steps is not None else info.get("steps"),
                  "exit_code": info.get("exit_code"),
-                 "wall_s": info.get("wall_s"), "error": info.get("error")}
+                 "wall_s": info.get("wall_s"), "error": info.get("error"), "jit_caches": info.get("jit_caches")}
     metrics_path = run_dir / "metrics.jsonl"
     rows = load_metrics(metrics_path) if metrics_path.exists() else []
     train = training_rows(rows)
@@ -1028,6 +1028,7 @@ def markdown(comparison: dict) -> str:
         lines += _peak_process_table(runs, cols)
         lines += _awake_lines(runs, cols)
         lines += _sm_lines(runs, cols)
+        lines += _jit_lines(runs, cols)
         lines += _memory_table(runs, cols)
         if entry.get("targets"):
             lines.append("| target | built-in | sgl-rollout | ratio | met |")
@@ -1218,6 +1219,26 @@ def _awake_lines(runs: dict, cols: List[str]) -> List[str]:
     return (["The engine's largest memory in each period it was awake (MiB; NVML, one sample a second; each "
              "period is one generation and the weight update before it; a sleep between two samples joins two periods):",
              ""] + lines + [""]) if lines else []
+
+
+def _jit_lines(runs: dict, cols: List[str]) -> List[str]:
+    """Markdown lines: each side's kernel caches at its start (``run.json``'s ``jit_caches``), and a warning
+    when one side started with empty ones; none for runs recorded before."""
+    got = {s: runs[s].get("jit_caches") for s in cols}
+    if not any(got.values()):
+        return []
+    lines = ["Kernel caches at each side's start (files; a side that starts with none compiles its kernels during "
+             "its first requests, verl's validation before training included):", ""]
+    cold = []
+    for s in cols:
+        c = got[s] or {}
+        if c and not any(v.get("files") for v in c.values()):
+            cold.append(s)
+        lines.append(f"- {SIDE_LABELS[s]}: " + (", ".join(f"{n} {v.get('files', 0)}" for n, v in c.items()) or "n/a"))
+    if cold and len(cold) < len([s for s in cols if got[s]]):
+        lines.append(f"- **the sides did not start alike**: {', '.join(SIDE_LABELS[s] for s in cold)} started with "
+                     "empty caches, so its first generation paid for compiling kernels the other side found compiled")
+    return lines + [""]
 
 
 def _sm_lines(runs: dict, cols: List[str]) -> List[str]:
