@@ -25,6 +25,17 @@ import sys as _sys
 
 __version__ = "0.1.0"
 
+# Variables of the old spelling (before 2026-11-28) are not read: say so once per process rather than let a
+# setting be ignored in silence (SGLang copies every SGL_* variable to SGLANG_* and warns, which is why they moved).
+_OLD_PREFIX, _PREFIX = "SGL_ROLLOUT_", "SGLROLLOUT_"
+_old_vars = sorted(k for k in _os.environ if k.startswith(_OLD_PREFIX))
+if _old_vars:
+    import warnings as _warnings
+
+    _warnings.warn(f"{', '.join(_old_vars)} not read: sgl-rollout's environment variables are spelled {_PREFIX}* "
+                   f"(SGLang renames every SGL_* variable); set {', '.join(_PREFIX + k[len(_OLD_PREFIX):] for k in _old_vars)}",
+                   stacklevel=2)
+
 # ``patches/`` lives at the repository's top level and is installed as ``sgl_rollout.patches``
 # (pyproject.toml). When the package runs from a source checkout without installation
 # (PYTHONPATH=repo), load that folder under the same name.

@@ -15,8 +15,8 @@ from test_sglang_versions import _tree  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 ENV_NAME = re.compile(r"""["'`$](SGL_[A-Z][A-Z0-9_]*)""")
 #: SGLang's own variables this package sets or names (its old spelling of the imbalance check, read by 0.5.10).
-#: Python names, not variables: ``verl_config.SGL_ROLLOUT_KWARGS``.
-SGLANGS_OWN = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK", "SGL_ROLLOUT_KWARGS"}
+#: Python names, not variables (``verl_config.SGL_ROLLOUT_KWARGS``), and the old prefix the package warns about.
+SGLANGS_OWN = {"SGL_DISABLE_TP_MEMORY_INBALANCE_CHECK", "SGL_ROLLOUT_KWARGS", "SGL_ROLLOUT_"}
 
 
 def test_no_variable_of_this_package_is_in_sglangs_deprecated_namespace():
@@ -32,3 +32,19 @@ def test_no_variable_of_this_package_is_in_sglangs_deprecated_namespace():
 def test_each_release_renames_sgl_variables(version):
     environ = (_tree(version) / "sglang" / "srt" / "environ.py").read_text()
     assert 'key.startswith("SGL_")' in environ and 'key.replace("SGL_", "SGLANG_", 1)' in environ
+
+
+def test_a_variable_of_the_old_spelling_is_named_in_a_warning():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SGL_ROLLOUT_LAYERED_GATHER="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", "import sgl_rollout"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "SGL_ROLLOUT_LAYERED_GATHER not read" in proc.stderr and "set SGLROLLOUT_LAYERED_GATHER" in proc.stderr
+    env.pop("SGL_ROLLOUT_LAYERED_GATHER")
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", "import sgl_rollout"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert "not read" not in proc.stderr
