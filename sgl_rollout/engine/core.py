@@ -37,10 +37,13 @@ def engine_tags(config: RolloutConfig) -> tuple:
 
 def check_model_for_sglang(config: RolloutConfig) -> None:
     """Refuse, before SGLang starts, a model whose scheduler would die under the installed SGLang and
-    transformers: a Qwen2.5-VL on its first image (``patches/qwen2_5_vl_vision_rope.py``, :func:`refusal`).
+    transformers: a Qwen2.5-VL on its first image (``patches/qwen2_5_vl_vision_rope.py``, :func:`refusal`), a
+    Qwen3-MoE whose head size SGLang's fused rotary kernel does not take on its first request
+    (:func:`fused_kv_rope_problem`).
 
     Raises:
-        UnsupportedSGLangVersion: one line naming the versions and what to install.
+        UnsupportedSGLangVersion: one line naming the versions and what to install, or the head size and the
+            settings that serve it.
     """
     from ..patches import qwen2_5_vl_vision_rope
 
