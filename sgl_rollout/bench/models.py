@@ -76,9 +76,15 @@ def make_llama_dir(path: str, shape: Dict, dtype: torch.dtype = torch.bfloat16, 
     if not with_weights:
         cfg.save_pretrained(path)
         return None
+    return _save_random(LlamaForCausalLM, cfg, path, dtype, seed, device)
+
+
+def _save_random(model_cls, cfg, path: str, dtype: torch.dtype, seed: int, device: str):
+    """``model_cls(cfg)`` drawn on ``device`` under ``seed`` by transformers' own init, cast to ``dtype``,
+    moved to the CPU and saved as safetensors in ``path``; returns it."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(dtype)
+        model = model_cls(cfg).to(dtype)
     model = model.to("cpu")
     model.save_pretrained(path, safe_serialization=True)
     return model
@@ -112,12 +118,7 @@ def make_qwen3_moe_dir(path: str, shape: Dict = QWEN3_MOE_TINY, dtype: torch.dty
                          tie_word_embeddings=bool(shape.get("tie_word_embeddings")), initializer_range=init_std,
                          torch_dtype=dtype, bos_token_id=1, eos_token_id=2, decoder_sparse_step=1, mlp_only_layers=[])
     os.makedirs(path, exist_ok=True)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3MoeForCausalLM(cfg).to(dtype)
-    model = model.to("cpu")
-    model.save_pretrained(path, safe_serialization=True)
-    return model
+    return _save_random(Qwen3MoeForCausalLM, cfg, path, dtype, seed, device)
 
 
 def qwen3_moe_checkpoint_tensors(model) -> List[Tuple[str, torch.Tensor]]:
