@@ -375,17 +375,27 @@ def check_tp_layout(tp_size: int, heads: Optional[tuple] = None, gpus: Optional[
         raise TPLayoutError(problem)
 
 
-def heads_of_model_path(model_path: str) -> Optional[tuple]:
-    """:func:`model_heads` of ``model_path/config.json`` (read as JSON, no download); None when there is
-    no readable config there (a hub id, a test double)."""
+def config_json_of_model_path(model_path: str) -> Optional[dict]:
+    """``model_path/config.json`` read as JSON (no download, no transformers); None when there is no readable
+    JSON object there (a hub id, a test double)."""
     import json
     import os
 
-    path = os.path.join(str(model_path), "config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            return model_heads(json.load(f))
+        with open(os.path.join(str(model_path), "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
     except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def heads_of_model_path(model_path: str) -> Optional[tuple]:
+    """:func:`model_heads` of ``model_path/config.json`` (read as JSON, no download); None when there is
+    no readable config there (a hub id, a test double)."""
+    cfg = config_json_of_model_path(model_path)
+    try:
+        return None if cfg is None else model_heads(cfg)
+    except ValueError:  # a head count that is not a number
         return None
 
 
@@ -398,15 +408,8 @@ def vocab_size_of_model_path(model_path: str) -> Optional[int]:
     to ``config.vocab_size``, ``sglang/srt/layers/logits_processor.py``), so a ``top_logprobs_num``
     above it fails ``topk`` inside the scheduler, which then dies and takes its host process with it.
     """
-    import json
-    import os
-
-    try:
-        with open(os.path.join(str(model_path), "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if not isinstance(cfg, Mapping):
+    cfg = config_json_of_model_path(model_path)
+    if cfg is None:
         return None
     vocab = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
     return int(vocab) if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None

@@ -69,15 +69,10 @@ def fused_kv_rope_problem(config: RolloutConfig) -> Optional[str]:
     :data:`FUSED_KV_ROPE_MODEL_TYPES` whose head size is outside :data:`FUSED_ROPE_HEAD_SIZES`, served with a
     bf16 KV cache (``kv_cache_dtype`` ``auto`` with a bf16 model, or ``bfloat16``). ``config.json`` is read as
     JSON from ``config.model_path`` (none there: None)."""
-    import json
-    import os
+    from ..config import config_json_of_model_path
 
-    try:
-        with open(os.path.join(str(config.model_path), "config.json"), encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return None
-    if cfg.get("model_type") not in FUSED_KV_ROPE_MODEL_TYPES:
+    cfg = config_json_of_model_path(config.model_path)
+    if cfg is None or cfg.get("model_type") not in FUSED_KV_ROPE_MODEL_TYPES:
         return None
     heads = cfg.get("num_attention_heads") or 1
     head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // heads
