@@ -125,8 +125,12 @@ class RolloutConfig(BaseModel):
         update_weights_bucket_megabytes: largest flattened bucket in MiB for the weight sync; a
             tensor larger than this travels alone. Peak extra GPU memory on the sending side is one
             bucket.
-        enforce_eager: disable CUDA graphs (SGLang ``disable_cuda_graph``), piecewise ones too (SGLang
-            would still capture those: ``disable_cuda_graph`` does not cover them).
+        enforce_eager: disable the decode CUDA graphs (SGLang ``disable_cuda_graph``). Piecewise ones
+            follow ``piecewise_cuda_graph`` alone, as in SGLang (``disable_cuda_graph`` does not cover them)
+            and in verl's built-in server, which maps verl's ``enforce_eager`` onto ``disable_cuda_graph``
+            only (``verl/workers/rollout/sglang_rollout/async_sglang_server.py``): the same verl command
+            gives both rollouts the same graphs. Until 2026-11-28 it turned piecewise graphs off too, and
+            every ``bench verl`` row run with ``enforce_eager=true`` had them on the built-in's side only.
         max_num_seqs: most requests running at once (SGLang ``max_running_requests``); None lets
             SGLang choose.
         load_format: SGLang load format; ``"dummy"`` gives random weights without reading files.
@@ -139,7 +143,7 @@ class RolloutConfig(BaseModel):
             docs/benchmarks.md) stays held while the trainer runs. On through verl
             (:func:`sgl_rollout.integrations.verl_config.rollout_config_from_verl`), as in verl's built-in
             server: without them a TP=2 replica served each step slower than verl's in four runs out of
-            four. SGLang ``disable_piecewise_cuda_graph`` is its inverse; ``enforce_eager`` turns them off.
+            four. SGLang ``disable_piecewise_cuda_graph`` is its inverse; ``enforce_eager`` leaves them.
         fast_sync: sync weights through this package's copy-plan loader inside SGLang
             (:mod:`sgl_rollout.weight_sync.receiver`, registered as SGLang's ``custom_weight_loader``):
             one IPC buffer per TP rank and one batched copy per bucket on each side. Models
@@ -300,7 +304,7 @@ class RolloutConfig(BaseModel):
             enable_memory_saver=True,
             enable_weights_cpu_backup=self.enable_weights_cpu_backup,
             disable_cuda_graph=self.enforce_eager,
-            disable_piecewise_cuda_graph=self.enforce_eager or not self.piecewise_cuda_graph,
+            disable_piecewise_cuda_graph=not self.piecewise_cuda_graph,
             load_format=self.load_format,
         )
         if self.max_num_seqs is not None:

@@ -17,8 +17,11 @@ def test_defaults_and_server_args():
     assert kw["attention_backend"] == "triton"
     piecewise = RolloutConfig(model_path="/m", piecewise_cuda_graph=True).to_server_args()
     assert piecewise["disable_piecewise_cuda_graph"] is False
-    # eager means no CUDA graphs at all: SGLang's disable_cuda_graph alone leaves the piecewise ones on
+    # eager is SGLang's disable_cuda_graph (decode graphs), as verl's built-in maps it; piecewise ones follow
+    # piecewise_cuda_graph alone (off by default here)
     eager = RolloutConfig(model_path="/m", piecewise_cuda_graph=True, enforce_eager=True).to_server_args()
+    assert eager["disable_cuda_graph"] is True and eager["disable_piecewise_cuda_graph"] is False
+    eager = RolloutConfig(model_path="/m", enforce_eager=True).to_server_args()
     assert eager["disable_cuda_graph"] is True and eager["disable_piecewise_cuda_graph"] is True
     assert cfg.bucket_bytes == 2048 << 20
     assert cfg.name == "sglang" and cfg.sleep_level == 2 and cfg.free_cache_engine

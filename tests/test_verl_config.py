@@ -167,9 +167,11 @@ def test_refusals_name_the_verl_key():
     _, cfg = mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=true")
     assert cfg.piecewise_cuda_graph is False and "disable_piecewise_cuda_graph" not in cfg.engine_kwargs
     assert cfg.to_server_args()["disable_piecewise_cuda_graph"] is True
-    _, cfg = mapped("actor_rollout_ref.rollout.enforce_eager=true")  # eager: no CUDA graphs of either kind
+    # eager: SGLang's disable_cuda_graph only, as verl's built-in server maps it (the same command gives both
+    # rollouts the same graphs: piecewise ones stay on)
+    _, cfg = mapped("actor_rollout_ref.rollout.enforce_eager=true")
     args = cfg.to_server_args()
-    assert args["disable_cuda_graph"] is True and args["disable_piecewise_cuda_graph"] is True
+    assert args["disable_cuda_graph"] is True and args["disable_piecewise_cuda_graph"] is False
     with pytest.raises(UnsupportedVerlFeature, match="disable_piecewise_cuda_graph: not a boolean"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sglang.disable_piecewise_cuda_graph=maybe")
     # the fast path (the default) registers the loader inside SGLang; verl's config can turn it off

@@ -174,7 +174,17 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
 
     @trace.traced("ckpt.finalize")
     def finalize(self):
-        """Nothing: the group and its store stay for the next sync."""
+        """Hand the sync's freed blocks back to the driver (``torch.cuda.empty_cache``); the group and its
+        store stay for the next sync.
+
+        The send buffer (one bucket) and the trainer's gathered tensors held for a bucket are freed when
+        :meth:`send_weights` returns, but torch's caching allocator keeps their blocks: on 4xH200 (one-step-off,
+        1.1B shape, 2 GiB buckets) the trainer's reserved memory then stayed 6.4 GB higher after the first
+        sync and its peak grew step by step (94.5 GB against the built-in's 84.0 GB,
+        ``examples/verl/compare/one-step-off-1b-random-h200x4-sgl_rollout``). verl's own ``nccl`` backend
+        empties the cache here too (``verl/checkpoint_engine/nccl_checkpoint_engine.py``), every side.
+        Costs about 10-25 ms in the sync."""
+        release_cached_blocks()
 
     @trace.traced("ckpt.send")
     async def send_weights(self, weights, global_steps: Optional[int] = None):
@@ -199,6 +209,13 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
                                "receive_weights on a trainer rank: trainer ranks send_weights")
         (source, index), = self.peers
         return PlanReceipt(self._group, source, index)
+
+
+def release_cached_blocks() -> None:
+    """``torch.cuda.empty_cache()`` where this process has used CUDA (nothing otherwise: a CPU test, or
+    a worker that never touched the GPU, is not made to create a CUDA context)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @functools.lru_cache(maxsize=4)

@@ -20,7 +20,8 @@ Mapped (verl's semantics):
   keeps; without them our TP=2 replica served each step slower than the built-in in four runs out of four,
   with them as fast: README), so their memory, about 1.15 GB per GPU for a 1.1B model at TP=2, stays held
   while the trainer runs, as in verl's built-in; ``engine_kwargs.sglang.disable_piecewise_cuda_graph=true``
-  turns them off and frees it, and so does ``enforce_eager=true`` (verl's built-in would still capture them);
+  turns them off and frees it; ``enforce_eager=true`` does not (it is SGLang's ``disable_cuda_graph``, as in
+  verl's built-in, which keeps capturing them then);
 * ``quantization=fp8``: SGLang gets ``quantization="fp8"`` and the block-wise FP8
   ``quantization_config`` in ``json_model_override_args`` (verl's
   ``verl/utils/sglang/sglang_fp8_utils.py`` builds it), and the adapter quantizes the trainer's bf16

@@ -97,23 +97,31 @@ FEATURES: List[Feature] = [
             "tests/test_verl_config.py::test_expert_parallel_size_reaches_sglang_as_ep_size", note="mapping only"),
     Feature("mixture-of-experts weight sync (Qwen3-MoE; transformers 5's fused experts split into checkpoint "
             "tensors)", True, True, "tests/test_moe_plan.py::test_moe_fast_path_equals_the_loader_bit_for_bit",
-            note="CPU: the fast path bit-exact against a FusedMoE-shaped loader at TP=1, TP=2 and EP=2; "
-                 "tests/gpu/test_moe_gpu.py's first run (2×H200, SGLang 0.5.12) died in SGLang on the first request, "
-                 "before any sync (head_dim 32, which SGLang's Qwen3-MoE cannot serve: now refused before start, "
-                 "`fused_kv_rope_problem`; the test model has head_dim 64), not yet run again"),
+            note="4×H200, SGLang 0.5.12 (tests/gpu/test_moe_gpu.py, 4 passed): a Qwen3-MoE of 8 experts through the "
+                 "fast path bit-exact against SGLang's `load_weights` at TP=1, TP=2 and EP=2, and through the "
+                 "`sgl_rollout` checkpoint engine from another GPU (per-expert and fused names), greedy == Hugging "
+                 "Face's each time. A head_dim SGLang's Qwen3-MoE cannot serve (32) is refused before start "
+                 "(`fused_kv_rope_problem`)"),
     Feature("the trainer's FSDP2 weights gathered one unit (layer) at a time (`SGLROLLOUT_LAYERED_GATHER=1`)",
             False, True, "tests/test_verl_gather.py::test_same_names_order_and_values_as_verls_per_tensor_gather",
             note="CPU (FSDP2 over gloo): the same names, order and values as verl's per-tensor gather; off by "
                  "default, no GPU figure yet"),
     Feature("multi-node replicas (TP over nodes)", True, True, "tests/test_verl_multinode.py::test_verl_replica_over_two_nodes",
-            note="GPU: tests/gpu/test_multinode_gpu.py on 2 GPUs as two Ray nodes"),
+            note="4×H200, SGLang 0.5.12: tests/gpu/test_multinode_gpu.py (2 GPUs as two Ray nodes: one TP=2 replica, "
+                 "sync, sleep, wake, restart); verl's own run with `bench verl --random-model 1b --ngpus 1 --tp 2 "
+                 "--nnodes 2 --simulate-nodes`, 3 steps each side: `timing_s/update_weights` 0.778 s against the "
+                 "built-in's 0.945 s, `timing_s/gen` 8.17 s against 6.78 s "
+                 "(examples/verl/compare/simulated-nodes-1b-random-tp2-h200x4)"),
     Feature("`free_cache_engine`, sleep levels 1 and 2", True, True,
             "tests/test_verl_config.py::test_rollout_mode_decides_what_sleep_releases"),
     Feature("checkpoint-engine backends `naive`, `nccl`, `nixl`", True, True,
             "tests/test_verl_rollout.py::test_checkpoint_engine_worker_tp2_async_generator",
             note="2×H200, SGLang 0.5.12: verl's one-step-off trainer with this package's rollout on `nccl`, "
                  "SmolLM2-135M, 3 steps: `timing_s/sync_rollout_weights` 0.336 s against the built-in's 0.345 s "
-                 "(examples/verl/compare/one-step-off-smollm2-h200x2-nccl)"),
+                 "(examples/verl/compare/one-step-off-smollm2-h200x2-nccl); on the 1.1B shape, 4×H200: 0.372 s against"
+                 " 0.369 s (examples/verl/compare/one-step-off-1b-random-h200x4-nccl); fully-async, SmolLM2, 4×H200: "
+                 "`timing_s/param_sync` 0.297 s against 0.369 s "
+                 "(examples/verl/compare/fully-async-smollm2-h200x4-nccl)"),
     Feature("checkpoint-engine backend `sgl_rollout` (each trainer rank sends each rollout TP rank only its shard, "
             "into the fast path's buffer)", False, True,
             "tests/test_p2p.py::test_verl_drives_the_backend_as_its_checkpoint_engine_manager_does",
@@ -121,8 +129,10 @@ FEATURES: List[Feature] = [
                  "`timing_s/param_sync` 0.078 s against the built-in's `nccl` 0.351 s, 3 steps each "
                  "(examples/verl/compare/fully-async-smollm2-h200x4); one-step-off on 2×H200, 3 steps: "
                  "`timing_s/sync_rollout_weights` 0.109 s against 0.345 s "
-                 "(examples/verl/compare/one-step-off-smollm2-h200x2-sgl_rollout); `tests/gpu/test_p2p_gpu.py` bit-exact against "
-                 "SGLang's `load_weights` on 2×H200"),
+                 "(examples/verl/compare/one-step-off-smollm2-h200x2-sgl_rollout); one-step-off on the 1.1B shape, "
+                 "both sides at once on 4×H200: 0.078 s against 0.369 s, `timing_s/generate_async` 7.69 s against 7.90"
+                 " s (examples/verl/compare/one-step-off-1b-random-h200x4-sgl_rollout); `tests/gpu/test_p2p_gpu.py` "
+                 "bit-exact against SGLang's `load_weights` on 2×H200"),
     Feature("checkpoint-engine backend `delta_sharded`", True, False,
             "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
             refused_by=({"checkpoint_engine": {"backend": "delta_sharded"}}, "checkpoint_engine.backend")),
