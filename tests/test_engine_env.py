@@ -123,3 +123,63 @@ def test_a_child_whose_pid_was_reused_is_neither_killed_nor_taken_for_alive():
     finally:
         other.kill()
         other.wait()
+
+
+#: a process that starts a child of its own and waits (a scheduler and its compile worker)
+_SPAWN_GRANDCHILD = ("import subprocess, sys, time; "
+                     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(120)")
+
+
+class _TreeEngine(FakeSGLangEngine):
+    """Starts a child that starts a child of its own."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.proc = subprocess.Popen([sys.executable, "-c", _SPAWN_GRANDCHILD])
+        atexit.register(self.shutdown)
+
+
+def _first_child(pid: int, timeout_s: float = 30.0):
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kids = psutil.Process(pid).children()
+        if kids:
+            return kids[0]
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} started no child within {timeout_s} s")
+
+
+def test_the_watchdog_records_the_childrens_children_in_one_pass_and_only_the_engines(monkeypatch):
+    """Every engine child's own children are recorded from one read of the process table (not one per
+    child: the watchdog held the GIL in verl's server actor doing that), an unrelated tree of the host is
+    not, and shutdown ends the recorded ones."""
+    import psutil
+
+    bystander = subprocess.Popen([sys.executable, "-c", _SPAWN_GRANDCHILD])
+    eng = RolloutEngine(RolloutConfig(model_path="/fake"), engine_factory=_TreeEngine)
+    try:
+        grandchild = _first_child(eng._engine.proc.pid)
+        theirs = _first_child(bystander.pid)
+        passes = []
+        real_iter = psutil.process_iter
+        monkeypatch.setattr(psutil, "process_iter", lambda *a, **k: (passes.append(1), real_iter(*a, **k))[1])
+        procs = eng._procs
+        assert len(procs.children) >= 2  # the fake's scheduler and its own child
+        procs.track_descendants()
+        assert len(passes) == 1
+        assert grandchild.pid in procs.descendants
+        assert not {bystander.pid, theirs.pid} & procs.descendants.keys()
+        eng.shutdown()
+        grandchild.wait(timeout=15)
+        assert not grandchild.is_running()
+        assert bystander.poll() is None and theirs.is_running()
+    finally:
+        eng.shutdown()
+        for p in psutil.Process(bystander.pid).children(recursive=True):
+            p.kill()
+        bystander.kill()
+        bystander.wait()

@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 import weakref
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set
 
 logger = logging.getLogger(__name__)
 
@@ -248,6 +248,37 @@ def dead_pids(procs: Sequence) -> List[int]:
 
 
 
+def _running(p) -> bool:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return p.is_running()
+    return False
+
+
+def processes_below(roots: Set[int]) -> Dict[int, object]:
+    """Every process descending from the pids ``roots`` (the roots left out), as ``psutil.Process`` by pid,
+    from one pass over the process table (``psutil.process_iter(["ppid"])``); a process that ends during
+    the pass is skipped. Empty for no roots, without reading the table."""
+    import psutil
+
+    if not roots:
+        return {}
+    below: Dict[int, list] = {}
+    for p in psutil.process_iter(["ppid"]):
+        ppid = p.info.get("ppid")
+        if ppid is not None:
+            below.setdefault(ppid, []).append(p)
+    found: Dict[int, object] = {}
+    stack = list(roots)
+    while stack:
+        for p in below.get(stack.pop(), ()):
+            if p.pid not in found and p.pid not in roots:
+                found[p.pid] = p
+                stack.append(p.pid)
+    return found
+
+
 class EngineProcesses:
     """One start of an SGLang engine's processes in this host: spawned in the environment they need,
     recorded, watched, and ended (only they).
@@ -314,15 +345,16 @@ class EngineProcesses:
 
     def track_descendants(self) -> None:
         """Remember the children's own children (compile workers, ...): once a scheduler is killed they
-        are re-parented away from it, and only this record lets :meth:`stop` end them."""
-        import psutil
+        are re-parented away from it, and only this record lets :meth:`stop` end them.
 
-        for child in self.children:
-            with contextlib.suppress(psutil.Error):
-                if not child.is_running():
-                    continue
-                for p in child.children(recursive=True):
-                    self.descendants.setdefault(p.pid, p)  # psutil.Process: safe against pid reuse
+        One pass over the process table whatever the number of children (:func:`processes_below`): psutil's
+        ``children(recursive=True)`` reads all of ``/proc`` once per call, and the watchdog thread did that
+        for each child every ``10 * watch_interval_s``, holding the GIL about 18 ms each time on a Ray host
+        of 4×H200 (py-spy of verl's server actor, 2026-11-28: 74 of its 449 busy samples, more than a
+        quarter of what its request loop took)."""
+        live = {c.pid for c in self.children if _running(c)}
+        for pid, p in processes_below(live).items():
+            self.descendants.setdefault(pid, p)  # psutil.Process: safe against pid reuse
 
     def dead(self) -> List[int]:
         """Pids of the children that exited."""
