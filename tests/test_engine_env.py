@@ -183,3 +183,12 @@ def test_the_watchdog_records_the_childrens_children_in_one_pass_and_only_the_en
             p.kill()
         bystander.kill()
         bystander.wait()
+
+
+def test_the_watchdog_reads_the_process_table_often_at_start_and_rarely_after():
+    from sgl_rollout.engine.lifecycle import DESCENDANT_SCAN_EARLY, descendant_scan_due
+
+    early = [t for t in range(DESCENDANT_SCAN_EARLY) if descendant_scan_due(t)]
+    late = [t for t in range(DESCENDANT_SCAN_EARLY, 2 * DESCENDANT_SCAN_EARLY) if descendant_scan_due(t)]
+    assert early[0] == 0 and len(early) == 30  # every 2 s of the first minute at the default 0.2 s tick
+    assert len(late) == 2  # every 30 s after

@@ -256,6 +256,21 @@ def _running(p) -> bool:
     return False
 
 
+#: The watchdog looks for the children's own children every this many ticks in the first
+#: ``DESCENDANT_SCAN_EARLY`` ticks of a start (SGLang's compile workers and the like start with the
+#: engine), and every ``DESCENDANT_SCAN_LATE`` ticks after (2 s and 30 s at the default 0.2 s tick).
+DESCENDANT_SCAN_EVERY, DESCENDANT_SCAN_EARLY, DESCENDANT_SCAN_LATE = 10, 300, 150
+
+
+def descendant_scan_due(tick: int) -> bool:
+    """Whether watchdog tick ``tick`` (0 at the start) reads the process table for the engine's
+    grandchildren (:meth:`EngineProcesses.track_descendants`): each read holds the GIL for a while, and
+    once the engine has started new ones are rare."""
+    if tick < DESCENDANT_SCAN_EARLY:
+        return tick % DESCENDANT_SCAN_EVERY == 0
+    return tick % DESCENDANT_SCAN_LATE == 0
+
+
 def processes_below(roots: Set[int]) -> Dict[int, object]:
     """Every process descending from the pids ``roots`` (the roots left out), as ``psutil.Process`` by pid,
     from one pass over the process table (``psutil.process_iter(["ppid"])``); a process that ends during
@@ -285,7 +300,8 @@ class EngineProcesses:
 
     ``factory(**server_args)`` runs with ``env_updates`` applied to this process's environment (its
     processes inherit them) and restored afterwards. The children it started are recorded (and their
-    own children, every ``10 * watch_interval_s``: they are re-parented away from a killed scheduler);
+    own children, at the watchdog ticks :func:`descendant_scan_due` names: they are re-parented away from a
+    killed scheduler);
     SGLang's ``Engine.shutdown`` is taken off atexit (it kills every child of the host); SIGQUIT is
     handled (:func:`install_sigquit_handler`). Where SGLang loaded its Qwen-VL processor (a Qwen-VL model),
     that class gets ``patches/qwen_vl_processor_output.py``. A watchdog thread polls the children every
@@ -363,7 +379,7 @@ class EngineProcesses:
     def _watch(self) -> None:
         ticks = 0
         while not self._stop.wait(self._interval):
-            if ticks % 10 == 0:
+            if descendant_scan_due(ticks):
                 self.track_descendants()
             ticks += 1
             gone = self.dead()
