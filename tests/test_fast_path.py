@@ -28,6 +28,7 @@ from sgl_rollout.weight_sync import plan as plan_mod
 from sgl_rollout.weight_sync import receiver
 from sgl_rollout.weight_sync.manifest import SyncValidationError, SyncValidator, WeightManifest
 from sgl_rollout.weight_sync.plan import Chunk, layout
+from sgl_rollout.weight_sync import fast_path as fast_path_mod
 from sgl_rollout.weight_sync.fast_path import FastPathError, FastPathSender
 
 H, INTER, HEADS, KV, HD, VOCAB, LAYERS = 32, 48, 4, 2, 8, 50, 2
@@ -185,7 +186,11 @@ def assert_same_params(models, refs):
 ])
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 3000])  # one bucket; many buckets with rows split between them
 @pytest.mark.parametrize("gather", ["auto", "copy", "foreach", "cat"])
-def test_fast_path_equals_load_weights_bit_for_bit(tp_size, tie, bias, qk_norm, bucket_bytes, gather):
+@pytest.mark.parametrize("step_bytes", [None, 600])  # a bucket gathered at once; in steps of a few pieces
+def test_fast_path_equals_load_weights_bit_for_bit(tp_size, tie, bias, qk_norm, bucket_bytes, gather, step_bytes,
+                                                   monkeypatch):
+    if step_bytes is not None:
+        monkeypatch.setattr(fast_path_mod, "GATHER_STEP_BYTES", step_bytes)
     kw = dict(tie=tie, bias=bias, qk_norm=qk_norm)
     models = [SGLangShaped(r, tp_size, **kw) for r in range(tp_size)]
     engine = SGLangLikeEngine(models)
@@ -261,6 +266,50 @@ def test_out_of_order_stream_is_held_until_its_bucket():
     models, engine, sender = rig(w, 4000)
     sender.send(list(reversed(w)))
     assert_same_params(models, reference(1, w))
+
+
+def live_bytes_stream(weights, live: dict):
+    """A fresh copy of each of ``weights``, as verl's generator makes each gathered tensor: ``live["now"]`` is
+    the bytes of the copies still referenced, ``live["peak"]`` its largest value."""
+    import weakref
+
+    def freed(nbytes):
+        live["now"] -= nbytes
+
+    for name, t in weights:
+        c = t.clone()
+        nbytes = c.numel() * c.element_size()
+        live["now"] += nbytes
+        live["peak"] = max(live["peak"], live["now"])
+        weakref.finalize(c, freed, nbytes)
+        yield name, c
+        del c
+
+
+@pytest.mark.parametrize("step_bytes", [4096, 1 << 20])
+def test_a_bucket_is_gathered_in_steps_and_each_source_dropped_after_its_last(step_bytes, monkeypatch):
+    """One bucket holds the whole model; gathered in steps of 4 KiB the sender holds about a step of the
+    trainer's tensors at a time, not the bucket's (issue 47: at most about one bucket of extra memory, the
+    buffer). With one step per bucket (the old gather) it held them all. The stream comes in the order the
+    plan reads it (as verl's HF-ordered stream meets SGLang's Llama, whose parameters are in that order;
+    this double registers ``norm`` and ``lm_head`` before the layers)."""
+    monkeypatch.setattr(fast_path_mod, "GATHER_STEP_BYTES", step_bytes)
+    models, engine, sender = rig(hf_weights(seed=0), 1 << 20)
+    assert sender.ensure_plan()
+    first_use = {}
+    for op in sender.plan.program.ops[0][0].ops:
+        first_use.setdefault(op.name, len(first_use))
+    w = sorted(hf_weights(seed=3), key=lambda nt: first_use[nt[0]])
+    total = sum(t.numel() * t.element_size() for _, t in w)
+    largest = max(t.numel() * t.element_size() for _, t in w)
+    live = {"now": 0, "peak": 0}
+    stats = sender.send(live_bytes_stream(w, live))
+    assert stats.n_buckets == 1 and sender.covered
+    assert_same_params(models, reference(1, w))
+    if step_bytes == 4096:
+        assert live["peak"] <= step_bytes + 2 * largest < total // 2, (live, total)
+    else:
+        assert live["peak"] >= total * 0.9, (live, total)
 
 
 def test_uncovered_layout_falls_back_to_load_weights_and_says_why():

@@ -486,3 +486,31 @@ def test_the_backend_refuses_a_rollout_worker_on_its_trainers_gpu_and_rebuilds_f
     assert not any(isinstance(o, BaseException) for o in out) and out[0]["sgl_rollout/send_bytes"] > 0, out
     for m in models:
         assert_same_params([m], reference(1, w, **KW))
+
+
+def test_the_trainer_packs_each_bucket_in_steps_holding_about_a_step_of_its_tensors(monkeypatch):
+    """The trainer rank's packer (``PlanPacker``) writes the same bytes whether a bucket is gathered at once
+    or in steps; in steps of 4 KiB it holds about a step of the stream's tensors, not the bucket's (the
+    stream in the plan's order, as in ``test_fast_path``)."""
+    from sgl_rollout.weight_sync import fast_path as fast_path_mod
+    from sgl_rollout.weight_sync.p2p import PlanPacker
+    from test_fast_path import live_bytes_stream, rig
+
+    models, engine, sender = rig(hf_weights(seed=0), 1 << 20)
+    assert sender.ensure_plan()
+    plans = [sender.plan.message(0)]
+    first_use = {}
+    for op in sender.plan.program.ops[0][0].ops:
+        first_use.setdefault(op.name, len(first_use))
+    w = sorted(hf_weights(seed=8), key=lambda nt: first_use[nt[0]])
+    total = sum(t.numel() * t.element_size() for _, t in w)
+    out = {}
+    for step_bytes in (1 << 20, 4096):
+        monkeypatch.setattr(fast_path_mod, "GATHER_STEP_BYTES", step_bytes)
+        live = {"now": 0, "peak": 0}
+        out[step_bytes] = ([(d, b, view.clone()) for d, b, view in PlanPacker(plans, "cpu").buckets(
+            live_bytes_stream(w, live))], live["peak"])
+    (whole, peak_whole), (stepped, peak_stepped) = out[1 << 20], out[4096]
+    assert [(d, b) for d, b, _ in whole] == [(d, b) for d, b, _ in stepped] == [(0, 0)]
+    assert torch.equal(whole[0][2], stepped[0][2])
+    assert peak_whole >= 0.9 * total and peak_stepped < total // 2, (peak_whole, peak_stepped, total)

@@ -247,7 +247,6 @@ def dead_pids(procs: Sequence) -> List[int]:
     return dead
 
 
-
 def _running(p) -> bool:
     import psutil
 

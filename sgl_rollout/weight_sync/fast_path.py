@@ -285,9 +285,10 @@ class FastPathSender:
                 bucket that needs it is sent.
             partial: a sync of some weights only (goes through op ``load``).
             group_of: on the ``load`` path, a bucket closes where its value changes (layered sync).
-                The plan path's buckets follow the plan; a source is dropped once the bucket with its
-                last piece is sent, so with a layered stream in model order the sender holds at most
-                about one bucket of gathered sources besides the buffer.
+                The plan path's buckets follow the plan, each gathered in steps (:class:`GatherSteps`); a
+                source is dropped once the step with its last piece is gathered, so with a stream in the
+                plan's order the sender holds about one step (:data:`GATHER_STEP_BYTES`) of gathered
+                sources besides the buffer.
 
         Returns:
             SyncStats; ``bytes`` counts rank 0's bytes, ``max_bucket_bytes`` the largest buffer.
@@ -309,11 +310,11 @@ class FastPathSender:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _gather_rank(self, i: int, r: int, b: int, feed: "SourceFeed") -> Tuple[dict, Optional[torch.Tensor]]:
-        """:meth:`_rank_bucket` with the bucket gathered from ``feed``'s sources into the buffer."""
-        ops = self.plan.program.ops[r]
-        return self._rank_bucket(i, r, b, lambda buf: gather_bucket(
-            ops[b], feed.held, buf, lambda srcs: self._mem.dsts(i, b, buf, ops[b], srcs), self.gather))
+    def _gather_rank(self, i: int, r: int, b: int, feed: "SourceFeed", steps: "GatherSteps"
+                     ) -> Tuple[dict, Optional[torch.Tensor]]:
+        """:meth:`_rank_bucket` with the bucket gathered from ``feed``'s sources into the buffer, in steps."""
+        return self._rank_bucket(i, r, b, lambda buf: steps.gather(
+            b, r, feed, buf, lambda s, step, srcs: self._mem.dsts(i, s, buf, step, srcs), self.gather))
 
     def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
                      ) -> Tuple[dict, Optional[torch.Tensor]]:
@@ -331,15 +332,15 @@ class FastPathSender:
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
         """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
-        the engine, a source dropped once the bucket with its last piece was loaded."""
-        prog = self.plan.program
-        feed = SourceFeed(named_tensors, validator, prog.last_use)
+        the engine, each in steps (:class:`GatherSteps`): a source is dropped once the step with its last
+        piece is gathered."""
+        steps = self.plan.program.steps(self.tp_ranks)
+        feed = SourceFeed(named_tensors, validator, steps.last_use)
 
         def fill(b: int) -> list:
-            feed.take(b, prog.needed[b])
-            return [self._gather_rank(i, r, b, feed) for i, r in enumerate(self.tp_ranks)]
+            return [self._gather_rank(i, r, b, feed, steps) for i, r in enumerate(self.tp_ranks)]
 
-        stats = self._plan_rounds(fill, lambda b: feed.drop(prog.drop_after[b]), feed.finish)
+        stats = self._plan_rounds(fill, lambda b: None, feed.finish)
         stats.n_tensors = feed.seen
         return stats
 
@@ -517,13 +518,17 @@ class _BucketOps:
 
     __slots__ = ("ops", "tiles", "mean_bytes")
 
-    def __init__(self, pieces):
-        self.ops = [_GatherOp(pc) for pc in pieces]
-        prev, self.tiles = 0, True
-        for op in self.ops:  # contiguous pieces of one dtype from byte 0: one cat can write them
+    def __init__(self, pieces=(), ops: Optional[List["_GatherOp"]] = None):
+        self.ops = list(ops) if ops is not None else [_GatherOp(pc) for pc in pieces]
+        prev, self.tiles = (self.ops[0].start if self.ops else 0), True
+        for op in self.ops:  # contiguous pieces of one dtype from the first one's byte: one cat can write them
             self.tiles = self.tiles and op.start == prev and op.dtype == self.ops[0].dtype
             prev = op.end
-        self.mean_bytes = (self.ops[-1].end / len(self.ops)) if self.ops else 0.0
+        self.mean_bytes = ((self.ops[-1].end - self.ops[0].start) / len(self.ops)) if self.ops else 0.0
+
+    def span(self, buf: torch.Tensor) -> torch.Tensor:
+        """The bytes of ``buf`` from the first piece's start to the last one's end."""
+        return buf[self.ops[0].start : self.ops[-1].end]
 
 
 class CopyPlan:
@@ -556,25 +561,94 @@ class CopyPlan:
         return [int(self.program.sizes[r][b]) for b in range(len(self.program.ops[r]))]
 
 
+#: A sender gathers each bucket in steps of at most about this many bytes of pieces (a piece larger than it
+#: is a step alone), dropping each trainer tensor after the step with its last piece: it holds about one
+#: step of the trainer's tensors besides the bucket buffer, not a whole bucket (:class:`GatherSteps`).
+GATHER_STEP_BYTES = 256 << 20
+
+
 class SendProgram:
     """The plan path's per-sync constants, from the layouts (per TP rank, per bucket, the pieces):
-    ops per rank and bucket, names each bucket needs, when each source may be dropped, bytes."""
+    ops per rank and bucket, bytes, and the gather order of a sender serving some of the ranks
+    (:meth:`steps`)."""
 
-    def __init__(self, layouts: List[List[list]]):
+    def __init__(self, layouts: List[List[list]], step_bytes: Optional[int] = None):
         self.ops = [[_BucketOps(pieces) for pieces in lay] for lay in layouts]
         self.n_buckets = max(len(lay) for lay in layouts)
         self.buffer_bytes = [max(bucket_size(p) for p in lay) for lay in layouts]
-        self.last_use: Dict[str, int] = {}
-        for lay in layouts:
-            for b, pieces in enumerate(lay):
-                for pc in pieces:
-                    self.last_use[pc.chunk.name] = max(self.last_use.get(pc.chunk.name, -1), b)
-        self.needed = [{pc.chunk.name for lay in layouts if b < len(lay) for pc in lay[b]}
-                       for b in range(self.n_buckets)]
-        self.drop_after = [[n for n, last in self.last_use.items() if last == b] for b in range(self.n_buckets)]
         self.bytes_rank0 = [sum(pc.chunk.nbytes for pc in layouts[0][b]) if b < len(layouts[0]) else 0
                             for b in range(self.n_buckets)]
         self.sizes = [[bucket_size(p) for p in lay] for lay in layouts]  # bytes of each rank's buckets
+        self.step_bytes = int(GATHER_STEP_BYTES if step_bytes is None else step_bytes)
+        self._steps: Dict[Tuple[int, ...], GatherSteps] = {}
+
+    def steps(self, ranks: Sequence[int]) -> "GatherSteps":
+        """The gather order of a sender serving the TP ranks ``ranks`` (indices into :attr:`ops`), made once."""
+        key = tuple(int(r) for r in ranks)
+        if key not in self._steps:
+            self._steps[key] = GatherSteps(self.ops, key, self.step_bytes)
+        return self._steps[key]
+
+
+class GatherSteps:
+    """The order a sender gathers the plan's buckets in: bucket by bucket, then rank by rank of ``ranks``,
+    each rank's bucket in steps of consecutive pieces of at most ``step_bytes`` bytes (one piece at least).
+
+    Attributes:
+        of: ``(bucket, rank) -> [(step index, _BucketOps of the step's pieces), ...]`` in order.
+        needed: per step, the trainer tensor names its pieces read.
+        last_use: per name, the last step that reads it (:class:`SourceFeed` holds a tensor while a step
+            at or after the current one needs it).
+        drop_after: per step, the names whose last step it is: dropped once it is gathered.
+    """
+
+    def __init__(self, ops: List[List[_BucketOps]], ranks: Tuple[int, ...], step_bytes: int):
+        self.of: Dict[Tuple[int, int], List[Tuple[int, _BucketOps]]] = {}
+        self.needed: List[set] = []
+        self.last_use: Dict[str, int] = {}
+        n_buckets = max((len(ops[r]) for r in ranks), default=0)
+        for b in range(n_buckets):
+            for r in ranks:
+                if b < len(ops[r]):
+                    self.of[(b, r)] = [self._step(group) for group in _split_ops(ops[r][b].ops, step_bytes)]
+        self.drop_after: List[List[str]] = [[] for _ in self.needed]
+        for name, last in self.last_use.items():
+            self.drop_after[last].append(name)
+
+    def _step(self, group: List[_GatherOp]) -> Tuple[int, _BucketOps]:
+        s = len(self.needed)
+        names = {op.name for op in group}
+        self.needed.append(names)
+        for name in names:
+            self.last_use[name] = s
+        return s, _BucketOps(ops=group)
+
+    def gather(self, b: int, r: int, feed: "SourceFeed", buf: torch.Tensor,
+               dsts: Callable[[int, _BucketOps, List[torch.Tensor]], List[torch.Tensor]], method: str = "auto") -> None:
+        """Write rank ``r``'s bucket ``b`` into ``buf`` step by step: read the stream on until the step's
+        tensors are held, gather them (:func:`gather_bucket`; ``dsts(step, bucket ops, sources)`` gives the
+        pieces' views of ``buf``), drop those whose last step it was.
+
+        Raises:
+            SyncValidationError: from :meth:`SourceFeed.take`, before the bucket is sent.
+        """
+        for s, step in self.of.get((b, r), ()):
+            feed.take(s, self.needed[s])
+            gather_bucket(step, feed.held, buf, lambda srcs, k=s, o=step: dsts(k, o, srcs), method)
+            feed.drop(self.drop_after[s])
+
+
+def _split_ops(ops: List[_GatherOp], step_bytes: int) -> List[List[_GatherOp]]:
+    """``ops`` cut into runs of consecutive ops, a run closed once it holds ``step_bytes`` bytes."""
+    runs: List[List[_GatherOp]] = []
+    size = step_bytes
+    for op in ops:
+        if size >= step_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(op)
+        size += op.end - op.start
+    return runs
 
 
 class _RankBuffers:
@@ -610,14 +684,15 @@ class _RankBuffers:
         return buf
 
     def dsts(self, r: int, b: int, buf: torch.Tensor, bucket: _BucketOps, srcs: List[torch.Tensor]) -> List[torch.Tensor]:
-        """Each piece's view of ``buf`` (rank ``r``, bucket ``b``), made once per buffer: in one C++ call
-        (``torch._C._nn.unflatten_dense_tensors``, ``torch/csrc/utils/tensor_flatten.cpp``) when the
-        pieces tile the buffer, else one Python view per piece (about 1 us each on an H100 host)."""
+        """Each piece's view of ``buf`` (rank ``r``, gather step ``b`` of :class:`GatherSteps`), made once per
+        buffer: in one C++ call (``torch._C._nn.unflatten_dense_tensors``, ``torch/csrc/utils/tensor_flatten.cpp``)
+        when the pieces tile their span of the buffer, else one Python view per piece (about 1 us each on an
+        H100 host)."""
         ptr, dsts = self.views.get((r, b), (None, None))
         if ptr != buf.data_ptr():  # a new buffer (or, on the CPU, one moved into shared memory)
             ops = bucket.ops
             if bucket.tiles and ops:
-                dsts = list(torch._C._nn.unflatten_dense_tensors(buf[: ops[-1].end].view(ops[0].dtype), srcs))
+                dsts = list(torch._C._nn.unflatten_dense_tensors(bucket.span(buf).view(ops[0].dtype), srcs))
             else:
                 dsts = [op.dst_view(buf) for op in ops]
             self.views[(r, b)] = (buf.data_ptr(), dsts)
@@ -718,7 +793,7 @@ def gather_bucket(bucket: _BucketOps, held: Dict[str, torch.Tensor], buf: torch.
     if method == "cat":
         dtype = ops[0].dtype if ops else None
         if bucket.tiles and all(s.dtype == dtype and s.device == device and s.is_contiguous() for s in srcs):
-            torch.cat([s.view(-1) for s in srcs], out=buf[: ops[-1].end].view(dtype))
+            torch.cat([s.view(-1) for s in srcs], out=bucket.span(buf).view(dtype))
             return
         method = "foreach"
     views = dsts(srcs)

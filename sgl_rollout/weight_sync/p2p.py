@@ -39,7 +39,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 import torch
 
 from .. import trace
-from .fast_path import FastPathError, FastPathSender, SendProgram, SourceFeed, gather_bucket
+from .fast_path import FastPathError, FastPathSender, SendProgram, SourceFeed
 from .manifest import ParamSpec, SyncValidator, WeightManifest
 from .plan import Chunk, dtype_of, layout
 from .protocol import SyncStats
@@ -198,7 +198,9 @@ class PlanPacker:
         rename: ``(trainer name, tensor) -> [(checkpoint name, tensor), ...]`` (a fused expert parameter
             split into per-expert views; :func:`sgl_rollout.checkpoint_names.tensor_renamer`), or None.
 
-    The buffer holds one bucket (the largest of any destination's plan), reused for every bucket.
+    The buffer holds one bucket (the largest of any destination's plan), reused for every bucket; each bucket
+    is gathered in steps (:class:`~.fast_path.GatherSteps`), so besides it this rank holds about one step of
+    the trainer's tensors (:data:`~.fast_path.GATHER_STEP_BYTES`) and those a later step still reads.
     """
 
     def __init__(self, plans: Sequence[dict], device, rename: Optional[Callable[[str, torch.Tensor], list]] = None):
@@ -225,19 +227,18 @@ class PlanPacker:
         """
         prog = self.program
         named = (p for n, t in named_tensors for p in self.rename(n, t)) if self.rename else named_tensors
-        feed = self._feed = SourceFeed(named, SyncValidator(self.manifest), prog.last_use)
+        steps = prog.steps(range(len(prog.ops)))
+        feed = self._feed = SourceFeed(named, SyncValidator(self.manifest), steps.last_use)
         size = max(prog.buffer_bytes)
         if self.buffer is None or self.buffer.numel() < size:
             self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         buf = self.buffer
         with torch.no_grad():
             for b in range(prog.n_buckets):
-                feed.take(b, prog.needed[b])
                 for d, ops in enumerate(prog.ops):
                     if b < len(ops):
-                        gather_bucket(ops[b], feed.held, buf, lambda srcs, o=ops[b]: [op.dst_view(buf) for op in o.ops])
+                        steps.gather(b, d, feed, buf, lambda _s, step, _srcs: [op.dst_view(buf) for op in step.ops])
                         yield d, b, buf[: prog.sizes[d][b]]
-                feed.drop(prog.drop_after[b])
             feed.finish()
 
 
