@@ -330,7 +330,8 @@ def model_heads(hf_config) -> Optional[tuple]:
     """``(attention heads, KV heads)`` of a Hugging Face config (its ``text_config`` for multimodal
     models; KV heads default to the attention heads, as in multi-head attention); None when the
     config has no ``num_attention_heads``."""
-    cfg = getattr(hf_config, "text_config", None) or hf_config
+    text = hf_config.get("text_config") if isinstance(hf_config, Mapping) else getattr(hf_config, "text_config", None)
+    cfg = text or hf_config  # a config.json read as a dict holds its text_config as a dict too
     get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d=None: getattr(cfg, k, d))
     heads = get("num_attention_heads", None)
     if not heads:

@@ -780,6 +780,9 @@ def test_model_heads_from_configs(tmp_path):
     assert model_heads(types.SimpleNamespace(num_attention_heads=8)) == (8, 8)  # MHA: KV heads = heads
     vl = types.SimpleNamespace(text_config=types.SimpleNamespace(num_attention_heads=16, num_key_value_heads=2))
     assert model_heads(vl) == (16, 2) and model_heads({}) is None
+    # a multimodal config.json read as JSON: its text_config is a dict (Qwen2.5-VL under transformers 5)
+    assert model_heads({"model_type": "qwen2_5_vl", "text_config": {"num_attention_heads": 28,
+                                                                     "num_key_value_heads": 4}}) == (28, 4)
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
     assert heads_of_model_path(str(tmp_path)) == (9, 3) and heads_of_model_path(str(tmp_path / "none")) is None
 
@@ -1051,3 +1054,25 @@ def test_at_once_runs_both_sides_of_a_pair_together_each_on_its_gpus(tmp_path, m
     assert [e[0] for e in events[:2]] == ["start", "start"]  # together, not in turn
     assert not [e for e in events if e[0] == "alone"]
     assert "## Pair 1 (both sides at once, each on GPUs of its own)" in (out / "comparison.md").read_text()
+
+
+def test_a_tp_the_models_heads_do_not_split_is_refused_before_any_side_starts(tmp_path, monkeypatch, capsys):
+    """``bench verl --ngpus 1 --tp 2 --nnodes 2 --simulate-nodes`` on SmolLM2 (9 heads) ran both sides into
+    this package's refusal a minute into verl's start (2026-11-28, fifth session): main refuses it at once."""
+    import argparse
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3}))
+    monkeypatch.setattr(verl_compare, "prepare_task", lambda args, out, n_val: model)
+    monkeypatch.setattr(verl_compare, "check_installed_copy", lambda: None)
+    monkeypatch.setattr(verl_compare, "preflight", lambda n: None)
+    monkeypatch.setattr(verl_compare, "run_side", lambda *a, **k: pytest.fail("a side started"))
+    parser = argparse.ArgumentParser()
+    verl_compare.add_arguments(parser)
+    args = parser.parse_args(["--ngpus", "2", "--tp", "2", "--out", str(tmp_path / "out")])
+    assert verl_compare.main(args) == 2
+    err = capsys.readouterr().err
+    assert "--tp=2 does not divide the model's 9 attention heads" in err and "[1, 3, 9]" in err
+    verl_compare.check_model_tp(3, model)  # fits
+    verl_compare.check_model_tp(2, tmp_path / "no-config")  # nothing to check against: left to the rollouts

@@ -544,6 +544,22 @@ def _quote(s: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ model
+def check_model_tp(tp: int, model_dir: Path) -> None:
+    """Refuse ``--tp`` where the model's heads do not split over it, before any side starts (each side's
+    rollout would refuse it too, a minute into its run: ``sgl_rollout.config.check_tp_layout`` in this
+    package's verl rollout, SGLang's own assertion in the built-in's).
+
+    Raises:
+        SetupError: one line naming the numbers and the TP sizes that fit.
+    """
+    from ..config import TPLayoutError, check_tp_layout, heads_of_model_path
+
+    try:
+        check_tp_layout(int(tp), heads_of_model_path(str(model_dir)), key="--tp")
+    except TPLayoutError as exc:
+        raise SetupError(f"{exc} ({model_dir}); --random-model 1b has 32 heads and 4 KV heads") from None
+
+
 def random_model_like(src: Path, out: Path, shape: str = "1b") -> Path:
     """A model of ``shape`` (``"1b"``: a Llama of TinyLlama-1.1B's dims; ``"8b"``: Llama-3-8B's, 7.4B
     parameters with SmolLM2's vocabulary, 14.8 GB in bf16; ``"moe"``: a Qwen3-MoE of 8 experts, 2 active,
@@ -936,6 +952,7 @@ def main(args: argparse.Namespace) -> int:
             device_groups(args.nnodes, args.ngpus, "--simulate-nodes puts each node on GPUs of its own")
         check_installed_copy()  # both sides: every Ray worker imports the probe (and ours the rollout) from it
         model_dir = prepare_task(args, out, n_val)
+        check_model_tp(args.tp, model_dir)
     except SetupError as exc:
         print(f"bench verl: {exc}", file=sys.stderr)
         return 2
