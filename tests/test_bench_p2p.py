@@ -24,3 +24,17 @@ def test_the_command_line_defaults_to_0_1_to_16_gb_and_writes_its_json(tmp_path,
     assert main(["p2p", "--sizes-gb", "0.1", "1", "--repeats", "3", "--out", str(out)]) == 0
     got = json.loads(out.read_text())
     assert [r["bytes"] for r in got["rows"]] == [100_000_000, 1_000_000_000] and got["repeats"] == 3
+
+
+def test_out_may_name_a_folder_and_the_json_lands_in_it(tmp_path, monkeypatch):
+    """The fifth session's queue gave ``--out`` a folder (as ``bench verl`` takes); the sweep ran to its end
+    and the write failed with IsADirectoryError. A folder, existing or ending in ``/``, gets bench_p2p.json."""
+    monkeypatch.setattr(p2p, "sweep", lambda sizes, repeats: {"device": "x", "repeats": repeats, "rows": []})
+    folder = tmp_path / "res"
+    folder.mkdir()
+    assert main(["p2p", "--sizes-gb", "0.1", "--out", str(folder)]) == 0
+    assert json.loads((folder / "bench_p2p.json").read_text())["device"] == "x"
+    assert main(["p2p", "--sizes-gb", "0.1", "--out", str(tmp_path / "new") + "/"]) == 0
+    assert (tmp_path / "new" / "bench_p2p.json").is_file()
+    assert main(["p2p", "--sizes-gb", "0.1", "--out", str(tmp_path / "deep" / "p.json")]) == 0
+    assert (tmp_path / "deep" / "p.json").is_file()

@@ -18,4 +18,23 @@ from .models import LLAMA_1B, LLAMA_TINY, LORA_TARGETS, SMOLLM2_135M, gpu_engine
     lora_named_tensors, make_llama_dir
 
 __all__ = ["LLAMA_1B", "LLAMA_TINY", "LORA_TARGETS", "SMOLLM2_135M", "gpu_engine_flags", "llama_named_tensors",
-           "lora_named_tensors", "make_llama_dir"]
+           "lora_named_tensors", "make_llama_dir", "write_result"]
+
+
+def write_result(res, out: str, default_name: str) -> str:
+    """Write a benchmark's result ``res`` (JSON-able) as JSON to ``out`` and return the file's path: ``out`` itself, or
+    ``out/default_name`` when ``out`` is a folder (one that exists, or a path ending in ``/``; ``bench verl``'s
+    ``--out`` is a folder, and a sweep given one used to end in ``IsADirectoryError`` after its whole run).
+    Missing parent folders are made.
+
+    Raises:
+        OSError: the file cannot be written.
+    """
+    import json
+    import os
+
+    path = os.path.join(out, default_name) if os.path.isdir(out) or out.endswith(("/", os.sep)) else out
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(res, f, indent=1)
+    return path

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+
+from . import write_result
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,16 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=5)
     s.add_argument("--mem-fraction", type=float, default=0.5)
     s.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
-    s.add_argument("--out", default="bench_sync.json")
+    s.add_argument("--out", default="bench_sync.json", help="JSON file, or a folder to write the default name in")
     lo = sub.add_parser("lora", help="time an adapter sync against a full sync (demo model and 1.1B)")
     lo.add_argument("--rank", type=int, default=16)
     lo.add_argument("--repeats", type=int, default=5)
     lo.add_argument("--mem-fraction", type=float, default=0.4)
     lo.add_argument("--workdir", default="/tmp/sgl_rollout_bench")
-    lo.add_argument("--out", default="bench_lora.json")
+    lo.add_argument("--out", default="bench_lora.json", help="JSON file, or a folder to write the default name in")
     g = sub.add_parser("gather", help="time the sender's gather primitives (no engine)")
     g.add_argument("--repeats", type=int, default=10)
-    g.add_argument("--out", default="bench_gather.json")
+    g.add_argument("--out", default="bench_gather.json", help="JSON file, or a folder to write the default name in")
     pp = sub.add_parser("p2p", help="the sgl_rollout checkpoint engine's wire, 0.1 to 16 GB, vs a plain GPU-to-GPU copy")
     p2p.add_arguments(pp)
     sc = sub.add_parser("scale", help="scale on paper: sync and switch cost at 8, 64 and 1,000 GPUs (no GPU)")
@@ -80,9 +81,7 @@ def main(argv=None) -> int:
     else:
         res = sync.bench_sync(args)
         sync.print_table(res)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(res, args.out, f'bench_{args.cmd}.json')}")
     return 0
 
 

@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes-gb", type=float, nargs="+", default=list(SIZES_GB),
                    help="transfer sizes in GB (1e9 bytes); default 0.1 to 16")
     p.add_argument("--repeats", type=int, default=5, help="timed transfers per size, after one warm-up")
-    p.add_argument("--out", default="bench_p2p.json")
+    p.add_argument("--out", default="bench_p2p.json", help="JSON file, or a folder to write bench_p2p.json in")
 
 
 def _peer(rank: int, port: int, sizes: Sequence[int], repeats: int, cuda: bool, out) -> None:
@@ -155,12 +155,10 @@ def print_table(res: Dict) -> List[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the sweep, print it, write ``args.out``."""
-    import json
+    """Run the sweep, print it, write ``args.out`` (a file, or ``bench_p2p.json`` in a folder)."""
+    from . import write_result
 
     res = sweep(args.sizes_gb, args.repeats)
     print_table(res)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_result(res, args.out, 'bench_p2p.json')}")
     return 0

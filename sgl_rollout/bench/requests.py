@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import statistics
 import threading
 import time
@@ -213,6 +212,7 @@ def main(args: argparse.Namespace) -> int:
     for r in results:
         print(f"{r['mode']:<14}{1e3 * r['in_s']:>12.1f}{1e3 * r['back_s']:>14.1f}"
               f"{1e6 * r['in_s'] / n:>15.0f}{1e6 * r['back_s'] / n:>17.0f}")
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(results, f, indent=1)
+    from . import write_result
+
+    write_result(results, args.out, "bench_requests.json")
     return 0

@@ -192,8 +192,9 @@ def main(args: argparse.Namespace) -> int:
     print(markdown(table), end="")
     print(f"bandwidth: {table[0]['bandwidth_from']} (bench sync, 1.1B at TP=1)")
     if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(table, f, indent=1)
+        from . import write_result
+
+        write_result(table, args.out, "bench_scale.json")
     return 0
 
 
