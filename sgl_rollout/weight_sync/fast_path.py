@@ -138,6 +138,7 @@ class FastPathSender:
         #: stream is synchronized), ``call`` (SGLang's round trip, the receiver's scatter included),
         #: ``check`` (reading the status blocks); within ``gather``, ``gather.alloc`` (getting the
         #: buffer: a new one after a release), ``gather.copy`` (launching the copies into it),
+        #: ``gather.read`` (on the plan path, reading the stream between a bucket's gather steps),
         #: ``gather.serialize`` (pickling the payloads: sharing the CUDA buffers) and ``gather.wait``
         #: (the stream synchronize: the copies still running on the GPU); the rest of ``gather`` is
         #: the caller's stream of tensors and their checks; ``call`` split by rank 0's loader into
@@ -314,12 +315,14 @@ class FastPathSender:
                      ) -> Tuple[dict, Optional[torch.Tensor]]:
         """:meth:`_rank_bucket` with the bucket gathered from ``feed``'s sources into the buffer, in steps."""
         return self._rank_bucket(i, r, b, lambda buf: steps.gather(
-            b, r, feed, buf, lambda s, step, srcs: self._mem.dsts(i, s, buf, step, srcs), self.gather))
+            b, r, feed, buf, lambda s, step, srcs: self._mem.dsts(i, s, buf, step, srcs), self.gather, self._tick),
+            part=None)
 
-    def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
-                     ) -> Tuple[dict, Optional[torch.Tensor]]:
+    def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None],
+                     part: Optional[str] = "gather.copy") -> Tuple[dict, Optional[torch.Tensor]]:
         """Served rank ``i`` (engine TP rank ``r``)'s header and buffer for plan bucket ``b``, ``write(buf)``
-        having filled the buffer (timed as ``gather.copy``); a no-op for a rank whose plan has fewer buckets."""
+        having filled the buffer (timed as ``part``; None: ``write`` times itself); a no-op for a rank whose
+        plan has fewer buckets."""
         prog = self.plan.program
         if b >= len(prog.ops[r]):
             return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None
@@ -327,7 +330,8 @@ class FastPathSender:
         buf = self._mem.buffer(i, prog.buffer_bytes[r])
         t_copy = self._tick("gather.alloc", t_alloc)
         write(buf)
-        self._tick("gather.copy", t_copy)
+        if part is not None:
+            self._tick(part, t_copy)
         return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), buf
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
@@ -624,18 +628,23 @@ class GatherSteps:
         return s, _BucketOps(ops=group)
 
     def gather(self, b: int, r: int, feed: "SourceFeed", buf: torch.Tensor,
-               dsts: Callable[[int, _BucketOps, List[torch.Tensor]], List[torch.Tensor]], method: str = "auto") -> None:
+               dsts: Callable[[int, _BucketOps, List[torch.Tensor]], List[torch.Tensor]], method: str = "auto",
+               tick: Optional[Callable[[str, float], float]] = None) -> None:
         """Write rank ``r``'s bucket ``b`` into ``buf`` step by step: read the stream on until the step's
         tensors are held, gather them (:func:`gather_bucket`; ``dsts(step, bucket ops, sources)`` gives the
-        pieces' views of ``buf``), drop those whose last step it was.
+        pieces' views of ``buf``), drop those whose last step it was. ``tick(part, since)`` (a sender's
+        timings) gets ``gather.read`` (the stream: the trainer's gather, the checks) and ``gather.copy``.
 
         Raises:
             SyncValidationError: from :meth:`SourceFeed.take`, before the bucket is sent.
         """
+        t = time.perf_counter()
         for s, step in self.of.get((b, r), ()):
             feed.take(s, self.needed[s])
+            t = tick("gather.read", t) if tick is not None else t
             gather_bucket(step, feed.held, buf, lambda srcs, k=s, o=step: dsts(k, o, srcs), method)
             feed.drop(self.drop_after[s])
+            t = tick("gather.copy", t) if tick is not None else t
 
 
 def _split_ops(ops: List[_GatherOp], step_bytes: int) -> List[List[_GatherOp]]:
