@@ -43,7 +43,7 @@ class RolloutWorker:
         timeline: device memory after each phase (``sleep``, ``resume_weights``, ``sync``,
             ``offload_trainer``, ``empty_cache``, ``resume_kv_cache``, ``wake_up``).
         last_phase_seconds: seconds each phase of the last sleep or wake took; on the fast path also
-            ``sync.gather`` (within it ``sync.gather.alloc``, ``.copy``, ``.serialize`` and ``.wait``),
+            ``sync.gather`` (within it ``sync.gather.alloc``, ``.read``, ``.copy``, ``.serialize`` and ``.wait``),
             ``sync.call`` (split into ``sync.call.request``, ``sync.call.loader`` and
             ``sync.call.reply``) and ``sync.check`` (the sender's
             :attr:`~sgl_rollout.weight_sync.fast_path.FastPathSender.timings`), and ``empty_cache.*``.
