@@ -1076,3 +1076,63 @@ def test_a_tp_the_models_heads_do_not_split_is_refused_before_any_side_starts(tm
     assert "--tp=2 does not divide the model's 9 attention heads" in err and "[1, 3, 9]" in err
     verl_compare.check_model_tp(3, model)  # fits
     verl_compare.check_model_tp(2, tmp_path / "no-config")  # nothing to check against: left to the rollouts
+
+
+def test_each_engines_server_args_are_recorded_and_the_report_names_the_settings_the_sides_differ_in(tmp_path,
+                                                                                                   monkeypatch):
+    """The fifth session found by hand (SGLang's info log) that the two sides' engines differed in
+    ``disable_piecewise_cuda_graph``: the probe now records each engine's ServerArgs and the report lists
+    the differences, naming those this package does not mean."""
+    import dataclasses
+
+    from sgl_rollout.bench import verl_report
+
+    @dataclasses.dataclass
+    class Args:  # a ServerArgs stand-in: the recorder reads any dataclass
+        model_path: str = "/m"
+        port: int = 30000
+        random_seed: int = 1
+        disable_piecewise_cuda_graph: bool = False
+        custom_weight_loader: list = dataclasses.field(default_factory=list)
+        odd: object = dataclasses.field(default_factory=object)
+
+    class TokenizerManager:
+        def __init__(self, server_args, port_args):
+            self.server_args = server_args
+
+    runs = {}
+    for side, args in (("builtin", Args()), ("ours", Args(port=30001, random_seed=2, disable_piecewise_cuda_graph=True,
+                                                          custom_weight_loader=["x.load_weights"]))):
+        spans = tmp_path / side / "spans"
+        monkeypatch.setenv(verl_probe.ENV_DIR, str(spans))
+        monkeypatch.setattr(verl_probe, "_file", None)
+        wrapped = verl_probe._server_args_recorder(TokenizerManager.__init__)
+        wrapped(TokenizerManager.__new__(TokenizerManager), args, None)
+        verl_probe._file.close()
+        runs[side] = verl_report.server_args_of(tmp_path / side)
+    assert runs["builtin"]["odd"] == "<object object>" and runs["builtin"]["custom_weight_loader"] == []
+    diffs = verl_report.server_arg_differences(runs["builtin"], runs["ours"])
+    assert [d["arg"] for d in diffs] == ["custom_weight_loader", "disable_piecewise_cuda_graph"]  # not port, seed
+    assert diffs[0]["why"] and diffs[1]["why"] is None
+    lines = verl_report._server_args_lines({"server_args_differ": diffs})
+    assert any("`disable_piecewise_cuda_graph` | `false` | `true` | **not this package's choice" in ln for ln in lines)
+    assert verl_report.server_arg_differences(runs["builtin"], None) is None
+    assert verl_report._server_args_lines({"server_args_differ": []})[0].endswith("the same on both sides.")
+
+
+def test_the_server_args_target_is_sglangs_tokenizer_manager_in_both_releases():
+    """``TokenizerManager.__init__(self, server_args, ...)`` in SGLang 0.5.10.post1 (installed) and 0.5.12 (its
+    source, unpacked by ``make test``): the probe's ServerArgs record reads that argument."""
+    import ast
+    import importlib.util
+    import os
+
+    installed = Path(importlib.util.find_spec("sglang").origin).parent / "srt" / "managers" / "tokenizer_manager.py"
+    sources = Path(os.environ.get("SGLROLLOUT_SGLANG_SOURCES", Path(sys.prefix) / "sglang-src"))
+    for path in (installed, sources / "0.5.12" / "sglang" / "srt" / "managers" / "tokenizer_manager.py"):
+        tree = ast.parse(path.read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TokenizerManager")
+        init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+        assert [a.arg for a in init.args.args[:2]] == ["self", "server_args"], path
+    assert ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.__init__") in [
+        (m, p) for m, p, _how in verl_probe.TARGETS]

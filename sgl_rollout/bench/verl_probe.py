@@ -47,6 +47,9 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   ``sglang.update_weights_from_tensor``, ``sglang.flush_cache``) and this package's server spans
   (``server.sleep``, ``server.resume[<stage>]``, ``server.begin_weight_sync``,
   ``server.update_weights_from_payloads``, ``server.finish_weight_sync``);
+* the engine's process, once: the SGLang ``ServerArgs`` its ``TokenizerManager`` was made with
+  (``sglang.server_args``, ``args``: field -> value, JSON-safe; :func:`_server_args_recorder`), so a report
+  can show where the two sides' engines were set up differently;
 * the engine's process, per request: SGLang's ``TokenizerManager.generate_request`` until its answer
   (``sglang.generate_request``; both sides call it once per request and take the first item);
   and the server actor's ``generate`` (verl's ``SGLangHttpServer``, wrapped, or this package's
@@ -486,6 +489,33 @@ def _agen_factory(fn: Callable, name: str, first_item: bool = False, watch: bool
     return _mark(wrapper)
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` if JSON writes it as itself (nested lists and dicts too), else its ``str`` without memory
+    addresses (``<... at 0x7f...>``: they differ between any two processes)."""
+    import re
+
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
+
+
+def _server_args_recorder(fn: Callable, name: str = "sglang.server_args") -> Callable:
+    """``TokenizerManager.__init__(self, server_args, ...)`` that, once it returns, emits ``name`` with
+    ``args``: every field of the ``ServerArgs`` dataclass it was given (JSON-safe values)."""
+    import dataclasses
+
+    @functools.wraps(fn)
+    def wrapper(self, server_args, *args, **kwargs):
+        c0, t0 = time.perf_counter(), time.time()
+        out = fn(self, server_args, *args, **kwargs)
+        if dataclasses.is_dataclass(server_args):
+            emit(name, t0, time.perf_counter() - c0,
+                 args={f.name: _json_safe(getattr(server_args, f.name, None)) for f in dataclasses.fields(server_args)})
+        return out
+    return _mark(wrapper)
+
+
 def _tags_at(pos: int) -> Callable[[tuple, dict], str]:
     return lambda args, kwargs: _tags_of(args, kwargs, pos)
 
@@ -560,6 +590,8 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
                           ("release_memory_occupation", dict(name="sglang.release", name_of=_tags_at(1))),
                           ("update_weights_from_tensor", dict(name="sglang.update_weights_from_tensor")),
                           ("flush_cache", dict(name="sglang.flush_cache")))],
+    # the engine's settings, once per engine (both sides): where the two sides' engines differ
+    ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.__init__", {"server_args": "sglang.server_args"}),
     # timing_s/gen, per request: SGLang's own time of each request (its answer ends the span), both sides
     ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.generate_request",
      {"agen": "sglang.generate_request", "first_item": True, "watch": True}),
@@ -604,8 +636,12 @@ def _patch(module, path: str, how: Dict[str, Any]) -> bool:
     fn = (owner.__dict__ if isinstance(owner, type) else vars(owner)).get(attr)
     if fn is None or not callable(fn):
         return False
+    if getattr(fn, "_sgl_rollout_probe", False):
+        return True  # already the probe's
     if "agen" in how:
         new = _agen_factory(fn, **{("name" if k == "agen" else k): v for k, v in how.items()})
+    elif "server_args" in how:
+        new = _server_args_recorder(fn, how["server_args"])
     else:
         new = timed(fn, **how)
     setattr(owner, attr, new)

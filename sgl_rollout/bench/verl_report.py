@@ -87,6 +87,38 @@ def load_spans(folder: Path) -> List[dict]:
     return out
 
 
+#: ``ServerArgs`` fields that differ between any two engines (ports, addresses, seeds): not compared.
+_VOLATILE_SERVER_ARG = re.compile(r"port|addr|host|seed")
+#: ``ServerArgs`` fields this package sets otherwise than verl's built-in on purpose, and why.
+OWN_SERVER_ARGS = {
+    "custom_weight_loader": "this package's fast-path loader (sgl_rollout.weight_sync.receiver)",
+    "skip_server_warmup": "SGLang's warm-up request at start (verl's built-in skips it); before any step",
+}
+
+
+def server_args_of(run_dir: Path) -> Optional[dict]:
+    """The ``ServerArgs`` of the side's first engine (the probe's ``sglang.server_args`` record: field ->
+    JSON-safe value), or None when the run has none (recorded before 2026-11-28, or no spans)."""
+    for rec in load_spans(Path(run_dir) / "spans"):
+        if rec["name"] == "sglang.server_args" and isinstance(rec.get("args"), dict):
+            return rec["args"]
+    return None
+
+
+def server_arg_differences(builtin: Optional[dict], ours: Optional[dict]) -> Optional[List[dict]]:
+    """The ``ServerArgs`` fields whose values differ between the sides' engines, ports, addresses and
+    seeds left out: ``[{"arg", "builtin", "ours", "why"}, ...]`` by name (``why``: :data:`OWN_SERVER_ARGS`'
+    reason, None for a difference this package did not mean); None unless both sides recorded theirs."""
+    if not builtin or not ours:
+        return None
+    out = []
+    for key in sorted(builtin.keys() | ours.keys()):
+        if _VOLATILE_SERVER_ARG.search(key) or builtin.get(key) == ours.get(key):
+            continue
+        out.append({"arg": key, "builtin": builtin.get(key), "ours": ours.get(key), "why": OWN_SERVER_ARGS.get(key)})
+    return out
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -762,6 +794,9 @@ def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
             entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
             entry["greedy_val"] = greedy_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
             entry["tool_turns"] = turn_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
+            diffs = server_arg_differences(server_args_of(run_dirs[pair]["builtin"]), server_args_of(run_dirs[pair]["ours"]))
+            if diffs is not None:
+                entry["server_args_differ"] = diffs
             last = last_common_validation(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
             if last is not None:
                 entry["greedy_val_last"] = {"step": last[0], **greedy_agreement(
@@ -1029,6 +1064,7 @@ def markdown(comparison: dict) -> str:
         lines += _awake_lines(runs, cols)
         lines += _sm_lines(runs, cols)
         lines += _jit_lines(runs, cols)
+        lines += _server_args_lines(entry)
         lines += _memory_table(runs, cols)
         if entry.get("targets"):
             lines.append("| target | built-in | sgl-rollout | ratio | met |")
@@ -1239,6 +1275,27 @@ def _jit_lines(runs: dict, cols: List[str]) -> List[str]:
         lines.append(f"- **the sides did not start alike**: {', '.join(SIDE_LABELS[s] for s in cold)} started with "
                      "empty caches, so its first generation paid for compiling kernels the other side found compiled")
     return lines + [""]
+
+
+def _server_args_lines(entry: dict) -> List[str]:
+    """Markdown lines: the SGLang settings the sides' engines differ in (:func:`server_arg_differences`),
+    with a warning for each one this package did not mean; none where a side recorded none."""
+    diffs = entry.get("server_args_differ")
+    if diffs is None:
+        return []
+    head = "SGLang's settings (each engine's `ServerArgs`; ports, addresses and seeds left out):"
+    if not diffs:
+        return [head + " the same on both sides.", ""]
+    lines = [head, "", "| setting | verl built-in | sgl-rollout | why |", "| --- | --- | --- | --- |"]
+    for d in diffs:
+        why = d["why"] or "**not this package's choice: the sides ran unlike engines**"
+        lines.append(f"| `{d['arg']}` | `{_short(d['builtin'])}` | `{_short(d['ours'])}` | {why} |")
+    return lines + [""]
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = json.dumps(value, default=str)
+    return (text if len(text) <= width else text[: width - 3] + "...").replace("|", "\\|")
 
 
 def _sm_lines(runs: dict, cols: List[str]) -> List[str]:
