@@ -716,7 +716,8 @@ class _RankBuffers:
 
 class SourceFeed:
     """The plan path's reading of the trainer's stream of (name, tensor): each tensor checked by the
-    validator as it comes, and held (``held``) from then until the last bucket that needs it is sent."""
+    validator as it comes, and held (``held``) from then until the last gather step that reads it
+    (``last_use``: name -> step index, :class:`GatherSteps`)."""
 
     def __init__(self, named_tensors: Iterable[NamedTensor], validator, last_use: Dict[str, int]):
         self.items = iter(named_tensors)
@@ -739,11 +740,13 @@ class SourceFeed:
             self.validator.raise_if_failed()
 
     def take(self, b: int, needed: set) -> None:
-        """Read on until ``held`` has every name of ``needed`` (the sources of bucket ``b``).
+        """Read on until ``held`` has every name of ``needed`` (the sources of gather step ``b``,
+        :class:`GatherSteps`); a tensor read on the way is held if a step from ``b`` on needs it.
 
         Raises:
             SyncValidationError: the stream ended without some of them, or the validator refused a
-                tensor so far (then after checking the rest of the stream); before bucket ``b`` is sent.
+                tensor so far (then after checking the rest of the stream); before the bucket of step
+                ``b`` is sent.
         """
         wanted = needed - self.held.keys()
         while wanted:
