@@ -616,3 +616,35 @@ def test_every_weight_write_empties_sglangs_multimodal_embedding_cache(monkeypat
     assert not receiver.forget_mm_embeddings()  # a text-only engine: nothing there, no error
     sender.send(w)
     assert_same_params(models, reference(1, w))
+
+
+@pytest.mark.parametrize("step_bytes", [600, 1 << 20])
+def test_every_tp_ranks_sender_reads_the_stream_to_the_same_point_before_each_bucket(step_bytes, monkeypatch):
+    """verl's weights generator gathers collectively and the ranks agree after each bucket, so one sender
+    per TP rank must read the same tensors before each bucket's call (:class:`GatherSteps` depends on the
+    plan alone): a sender that read further would wait inside the generator for one that waits in the
+    agreement."""
+    monkeypatch.setattr(fast_path_mod, "GATHER_STEP_BYTES", step_bytes)
+    kw = dict(tie=True, qk_norm=True)
+    models = [SGLangShaped(r, 2, **kw) for r in range(2)]
+    w0 = hf_weights(seed=0, **kw)
+    group, senders = split_senders(models, w0, 3000, 2)
+    w = hf_weights(seed=9, **kw)
+    read_at_call = {0: [], 1: []}
+
+    def counted(r):
+        for item in w:
+            yield item
+            read_at_call[r].append(None)  # advanced past this item: one more read
+
+    def send(r, s):
+        calls = []
+        real_call = s._call
+        s._call = lambda headers, bufs: (calls.append(len(read_at_call[r])), real_call(headers, bufs))[1]
+        s.send(counted(r))
+        return calls
+
+    out = group.run(lambda r, s: _as_rank(r, lambda: send(r, s)), senders)
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert out[0] == out[1] and len(out[0]) > 3, out  # the same reads before every call, many buckets
+    assert_same_params(models, reference(2, w, **kw))

@@ -311,18 +311,25 @@ class FastPathSender:
         stats.seconds = time.perf_counter() - t0
         return stats
 
-    def _gather_rank(self, i: int, r: int, b: int, feed: "SourceFeed", steps: "GatherSteps"
-                     ) -> Tuple[dict, Optional[torch.Tensor]]:
-        """:meth:`_rank_bucket` with the bucket gathered from ``feed``'s sources into the buffer, in steps."""
-        return self._rank_bucket(i, r, b, lambda buf: steps.gather(
-            b, r, feed, buf, lambda s, step, srcs: self._mem.dsts(i, s, buf, step, srcs), self.gather, self._tick),
-            part=None)
+    def _fill_bucket(self, b: int, feed: "SourceFeed") -> list:
+        """Each served rank's (header, buffer) of plan bucket ``b``, gathered from ``feed`` step by step
+        (:class:`GatherSteps`); a rank whose plan has fewer buckets gets a no-op header and no buffer."""
+        prog = self.plan.program
+        t_alloc = time.perf_counter()
+        bufs = {i: self._mem.buffer(i, prog.buffer_bytes[r]) for i, r in enumerate(self.tp_ranks)
+                if b < len(prog.ops[r])}
+        self._tick("gather.alloc", t_alloc)
+        prog.steps.gather(b, feed, {self.tp_ranks[i]: buf for i, buf in bufs.items()},
+                          lambda s, r, step, srcs: self._mem.dsts(self.tp_ranks.index(r), s, bufs[self.tp_ranks.index(r)],
+                                                                  step, srcs),
+                          self.gather, self._tick)
+        return [(dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), bufs[i]) if i in bufs
+                else (dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None) for i in range(len(self.tp_ranks))]
 
-    def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None],
-                     part: Optional[str] = "gather.copy") -> Tuple[dict, Optional[torch.Tensor]]:
+    def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
+                     ) -> Tuple[dict, Optional[torch.Tensor]]:
         """Served rank ``i`` (engine TP rank ``r``)'s header and buffer for plan bucket ``b``, ``write(buf)``
-        having filled the buffer (timed as ``part``; None: ``write`` times itself); a no-op for a rank whose
-        plan has fewer buckets."""
+        having filled the buffer (timed as ``gather.copy``); a no-op for a rank whose plan has fewer buckets."""
         prog = self.plan.program
         if b >= len(prog.ops[r]):
             return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None
@@ -330,21 +337,15 @@ class FastPathSender:
         buf = self._mem.buffer(i, prog.buffer_bytes[r])
         t_copy = self._tick("gather.alloc", t_alloc)
         write(buf)
-        if part is not None:
-            self._tick(part, t_copy)
+        self._tick("gather.copy", t_copy)
         return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), buf
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
         """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
         the engine, each in steps (:class:`GatherSteps`): a source is dropped once the step with its last
         piece is gathered."""
-        steps = self.plan.program.steps(self.tp_ranks)
-        feed = SourceFeed(named_tensors, validator, steps.last_use)
-
-        def fill(b: int) -> list:
-            return [self._gather_rank(i, r, b, feed, steps) for i, r in enumerate(self.tp_ranks)]
-
-        stats = self._plan_rounds(fill, lambda b: None, feed.finish)
+        feed = SourceFeed(named_tensors, validator, self.plan.program.steps.last_use)
+        stats = self._plan_rounds(lambda b: self._fill_bucket(b, feed), lambda b: None, feed.finish)
         stats.n_tensors = feed.seen
         return stats
 
@@ -565,16 +566,16 @@ class CopyPlan:
         return [int(self.program.sizes[r][b]) for b in range(len(self.program.ops[r]))]
 
 
-#: A sender gathers each bucket in steps of at most about this many bytes of pieces (a piece larger than it
-#: is a step alone), dropping each trainer tensor after the step with its last piece: it holds about one
-#: step of the trainer's tensors besides the bucket buffer, not a whole bucket (:class:`GatherSteps`).
+#: A sender gathers each bucket in steps of about this many bytes of pieces (over all TP ranks; a tensor
+#: whose pieces are larger is a step alone), dropping each trainer tensor after the step with its last piece:
+#: it holds about one step of the trainer's tensors besides its bucket buffers, not a whole bucket
+#: (:class:`GatherSteps`).
 GATHER_STEP_BYTES = 256 << 20
 
 
 class SendProgram:
     """The plan path's per-sync constants, from the layouts (per TP rank, per bucket, the pieces):
-    ops per rank and bucket, bytes, and the gather order of a sender serving some of the ranks
-    (:meth:`steps`)."""
+    ops per rank and bucket, bytes, and the gather steps (:attr:`steps`)."""
 
     def __init__(self, layouts: List[List[list]], step_bytes: Optional[int] = None):
         self.ops = [[_BucketOps(pieces) for pieces in lay] for lay in layouts]
@@ -583,80 +584,88 @@ class SendProgram:
         self.bytes_rank0 = [sum(pc.chunk.nbytes for pc in layouts[0][b]) if b < len(layouts[0]) else 0
                             for b in range(self.n_buckets)]
         self.sizes = [[bucket_size(p) for p in lay] for lay in layouts]  # bytes of each rank's buckets
-        self.step_bytes = int(GATHER_STEP_BYTES if step_bytes is None else step_bytes)
-        self._steps: Dict[Tuple[int, ...], GatherSteps] = {}
-
-    def steps(self, ranks: Sequence[int]) -> "GatherSteps":
-        """The gather order of a sender serving the TP ranks ``ranks`` (indices into :attr:`ops`), made once."""
-        key = tuple(int(r) for r in ranks)
-        if key not in self._steps:
-            self._steps[key] = GatherSteps(self.ops, key, self.step_bytes)
-        return self._steps[key]
+        self.steps = GatherSteps(self.ops, int(GATHER_STEP_BYTES if step_bytes is None else step_bytes))
 
 
 class GatherSteps:
-    """The order a sender gathers the plan's buckets in: bucket by bucket, then rank by rank of ``ranks``,
-    each rank's bucket in steps of consecutive pieces of at most ``step_bytes`` bytes (one piece at least).
+    """How every sender of a plan gathers a bucket: in steps, each a run of the bucket's trainer tensors (in
+    the order the TP ranks' pieces first name them) whose pieces over all ranks come to about ``step_bytes``;
+    in a step each rank served writes its pieces of those tensors into its own buffer. The steps depend on
+    the plan alone, so every process serving some of its ranks reads the trainer's stream to the same
+    point before each step (verl's weights generator gathers collectively, and the ranks agree after each
+    bucket: a process that read further than another would wait on it inside the generator).
 
     Attributes:
-        of: ``(bucket, rank) -> [(step index, _BucketOps of the step's pieces), ...]`` in order.
-        needed: per step, the trainer tensor names its pieces read.
+        in_bucket: per bucket, its step indices in order.
+        of: ``(step, rank) -> _BucketOps`` of the rank's pieces in that step (absent: it has none there).
+        needed: per step, the trainer tensor names it reads.
         last_use: per name, the last step that reads it (:class:`SourceFeed` holds a tensor while a step
             at or after the current one needs it).
         drop_after: per step, the names whose last step it is: dropped once it is gathered.
     """
 
-    def __init__(self, ops: List[List[_BucketOps]], ranks: Tuple[int, ...], step_bytes: int):
-        self.of: Dict[Tuple[int, int], List[Tuple[int, _BucketOps]]] = {}
+    def __init__(self, ops: List[List[_BucketOps]], step_bytes: int):
+        self.in_bucket: List[List[int]] = []
+        self.of: Dict[Tuple[int, int], _BucketOps] = {}
         self.needed: List[set] = []
         self.last_use: Dict[str, int] = {}
-        n_buckets = max((len(ops[r]) for r in ranks), default=0)
-        for b in range(n_buckets):
+        for b in range(max(len(rank_ops) for rank_ops in ops)):
+            ranks = [r for r, rank_ops in enumerate(ops) if b < len(rank_ops)]
+            size: Dict[str, int] = {}  # insertion order: the order the ranks' pieces first name them
             for r in ranks:
-                if b < len(ops[r]):
-                    self.of[(b, r)] = [self._step(group) for group in _split_ops(ops[r][b].ops, step_bytes)]
+                for op in ops[r][b].ops:
+                    size[op.name] = size.get(op.name, 0) + op.end - op.start
+            self.in_bucket.append([self._step(group, b, ranks, ops) for group in _runs(size, step_bytes)])
         self.drop_after: List[List[str]] = [[] for _ in self.needed]
         for name, last in self.last_use.items():
             self.drop_after[last].append(name)
 
-    def _step(self, group: List[_GatherOp]) -> Tuple[int, _BucketOps]:
+    def _step(self, names: set, b: int, ranks: List[int], ops: List[List[_BucketOps]]) -> int:
         s = len(self.needed)
-        names = {op.name for op in group}
         self.needed.append(names)
         for name in names:
             self.last_use[name] = s
-        return s, _BucketOps(ops=group)
+        for r in ranks:
+            mine = [op for op in ops[r][b].ops if op.name in names]
+            if mine:
+                self.of[(s, r)] = _BucketOps(ops=mine)
+        return s
 
-    def gather(self, b: int, r: int, feed: "SourceFeed", buf: torch.Tensor,
-               dsts: Callable[[int, _BucketOps, List[torch.Tensor]], List[torch.Tensor]], method: str = "auto",
+    def gather(self, b: int, feed: "SourceFeed", bufs: Dict[int, torch.Tensor],
+               dsts: Callable[[int, int, _BucketOps, List[torch.Tensor]], List[torch.Tensor]], method: str = "auto",
                tick: Optional[Callable[[str, float], float]] = None) -> None:
-        """Write rank ``r``'s bucket ``b`` into ``buf`` step by step: read the stream on until the step's
-        tensors are held, gather them (:func:`gather_bucket`; ``dsts(step, bucket ops, sources)`` gives the
-        pieces' views of ``buf``), drop those whose last step it was. ``tick(part, since)`` (a sender's
-        timings) gets ``gather.read`` (the stream: the trainer's gather, the checks) and ``gather.copy``.
+        """Write bucket ``b`` of each rank in ``bufs`` (rank -> its buffer) step by step: read the stream on
+        until the step's tensors are held, gather each rank's pieces of them (:func:`gather_bucket`;
+        ``dsts(step, rank, its ops, sources)`` gives the pieces' views of that rank's buffer), drop the
+        tensors whose last step it was. ``tick(part, since)`` (a sender's timings) gets ``gather.read``
+        (the stream: the trainer's gather, the checks) and ``gather.copy``.
 
         Raises:
             SyncValidationError: from :meth:`SourceFeed.take`, before the bucket is sent.
         """
         t = time.perf_counter()
-        for s, step in self.of.get((b, r), ()):
+        for s in self.in_bucket[b] if b < len(self.in_bucket) else ():
             feed.take(s, self.needed[s])
             t = tick("gather.read", t) if tick is not None else t
-            gather_bucket(step, feed.held, buf, lambda srcs, k=s, o=step: dsts(k, o, srcs), method)
+            for r, buf in bufs.items():
+                step = self.of.get((s, r))
+                if step is not None:
+                    gather_bucket(step, feed.held, buf, lambda srcs, k=s, q=r, o=step: dsts(k, q, o, srcs), method)
             feed.drop(self.drop_after[s])
             t = tick("gather.copy", t) if tick is not None else t
 
 
-def _split_ops(ops: List[_GatherOp], step_bytes: int) -> List[List[_GatherOp]]:
-    """``ops`` cut into runs of consecutive ops, a run closed once it holds ``step_bytes`` bytes."""
-    runs: List[List[_GatherOp]] = []
-    size = step_bytes
-    for op in ops:
-        if size >= step_bytes:
-            runs.append([])
-            size = 0
-        runs[-1].append(op)
-        size += op.end - op.start
+def _runs(size: Dict[str, int], step_bytes: int) -> List[set]:
+    """The names of ``size`` (name -> bytes, in order) cut into runs, a run closed once it holds
+    ``step_bytes`` bytes."""
+    runs: List[set] = []
+    held = step_bytes
+    for name, nbytes in size.items():
+        if held >= step_bytes:
+            runs.append(set())
+            held = 0
+        runs[-1].add(name)
+        held += nbytes
     return runs
 
 

@@ -34,7 +34,7 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -189,7 +189,7 @@ class TrainerRefused(RuntimeError):
 
 # ====================================================================== trainer side
 class PlanPacker:
-    """Trainer side: the buckets of some rollout TP ranks' copy plans, packed into one buffer on this GPU.
+    """Trainer side: the buckets of some rollout TP ranks' copy plans, packed into a buffer per rank on this GPU.
 
     Args:
         plans: one published plan per destination (:meth:`CopyPlan.message <.fast_path.CopyPlan.message>`, in the order the
@@ -198,9 +198,9 @@ class PlanPacker:
         rename: ``(trainer name, tensor) -> [(checkpoint name, tensor), ...]`` (a fused expert parameter
             split into per-expert views; :func:`sgl_rollout.checkpoint_names.tensor_renamer`), or None.
 
-    The buffer holds one bucket (the largest of any destination's plan), reused for every bucket; each bucket
-    is gathered in steps (:class:`~.fast_path.GatherSteps`), so besides it this rank holds about one step of
-    the trainer's tensors (:data:`~.fast_path.GATHER_STEP_BYTES`) and those a later step still reads.
+    Each destination has a buffer of its plan's largest bucket, reused for every bucket; a bucket is gathered
+    in steps (:class:`~.fast_path.GatherSteps`), so besides the buffers this rank holds about one step of the
+    trainer's tensors (:data:`~.fast_path.GATHER_STEP_BYTES`) and those a later step still reads.
     """
 
     def __init__(self, plans: Sequence[dict], device, rename: Optional[Callable[[str, torch.Tensor], list]] = None):
@@ -210,8 +210,13 @@ class PlanPacker:
         first = plans[0]
         specs = {n: ParamSpec(tuple(shape), dtype_of(dt)) for n, dt, shape in first["manifest"]}
         self.manifest = WeightManifest(specs, optional=first.get("optional", ()))
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffers: List[Optional[torch.Tensor]] = [None] * len(plans)
         self._feed: Optional[SourceFeed] = None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the destinations' buffers together."""
+        return sum(b.numel() for b in self.buffers if b is not None)
 
     @property
     def seen(self) -> int:
@@ -219,7 +224,7 @@ class PlanPacker:
         return self._feed.seen if self._feed is not None else 0
 
     def buckets(self, named_tensors: Iterable) -> Iterable[Tuple[int, int, torch.Tensor]]:
-        """``(destination, bucket, bytes)`` in send order; each view is valid until the next one is made.
+        """``(destination, bucket, bytes)`` in send order; each view is valid until the next bucket is made.
 
         Raises:
             SyncValidationError: a tensor does not match the manifest, or the stream ended without some
@@ -227,18 +232,16 @@ class PlanPacker:
         """
         prog = self.program
         named = (p for n, t in named_tensors for p in self.rename(n, t)) if self.rename else named_tensors
-        steps = prog.steps(range(len(prog.ops)))
-        feed = self._feed = SourceFeed(named, SyncValidator(self.manifest), steps.last_use)
-        size = max(prog.buffer_bytes)
-        if self.buffer is None or self.buffer.numel() < size:
-            self.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        buf = self.buffer
+        feed = self._feed = SourceFeed(named, SyncValidator(self.manifest), prog.steps.last_use)
+        for d, size in enumerate(prog.buffer_bytes):
+            if self.buffers[d] is None or self.buffers[d].numel() < size:
+                self.buffers[d] = torch.empty(size, dtype=torch.uint8, device=self.device)
         with torch.no_grad():
             for b in range(prog.n_buckets):
-                for d, ops in enumerate(prog.ops):
-                    if b < len(ops):
-                        steps.gather(b, d, feed, buf, lambda _s, step, _srcs: [op.dst_view(buf) for op in step.ops])
-                        yield d, b, buf[: prog.sizes[d][b]]
+                bufs = {d: self.buffers[d] for d in range(len(prog.ops)) if b < len(prog.ops[d])}
+                prog.steps.gather(b, feed, bufs, lambda _s, d, step, _srcs: [op.dst_view(bufs[d]) for op in step.ops])
+                for d in bufs:
+                    yield d, b, bufs[d][: prog.sizes[d][b]]
             feed.finish()
 
 
@@ -265,7 +268,7 @@ def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_
 
     Returns:
         SyncStats: ``bytes`` sent (all links), ``n_buckets``, ``n_tensors`` read, ``max_bucket_bytes``
-        (the buffer), ``seconds``.
+        (the largest destination's buffer), ``seconds``.
 
     Raises:
         SyncValidationError: the weights failed the manifest check (every link got the message).
@@ -305,7 +308,7 @@ def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_
         for rank in open_links:
             wire.send_head(rank, END, b, 0)
         open_links = []
-        stats.n_tensors, stats.max_bucket_bytes = packer.seen, packer.buffer.numel()
+        stats.n_tensors, stats.max_bucket_bytes = packer.seen, max(b.numel() for b in packer.buffers if b is not None)
     except BaseException as exc:
         group.broken = True
         for rank in open_links:
