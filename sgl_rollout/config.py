@@ -124,7 +124,8 @@ class RolloutConfig(BaseModel):
             up without a weight sync restores them (SGLang ``enable_weights_cpu_backup``).
         update_weights_bucket_megabytes: largest flattened bucket in MiB for the weight sync; a
             tensor larger than this travels alone. Peak extra GPU memory on the sending side is one
-            bucket.
+            bucket, and on the fast path about one gather step (256 MiB,
+            :data:`~sgl_rollout.weight_sync.fast_path.GATHER_STEP_BYTES`) of the trainer's tensors held.
         enforce_eager: disable the decode CUDA graphs (SGLang ``disable_cuda_graph``). Piecewise ones
             follow ``piecewise_cuda_graph`` alone, as in SGLang (``disable_cuda_graph`` does not cover them)
             and in verl's built-in server, which maps verl's ``enforce_eager`` onto ``disable_cuda_graph``
