@@ -251,6 +251,15 @@ def has_cuda_context(device: Optional[int] = None) -> bool:
     return bool(probe(torch.cuda.current_device() if device is None else int(device)))
 
 
+def release_cached_blocks(device: Optional[int] = None) -> None:
+    """``torch.cuda.empty_cache()`` where this process has a CUDA context (:func:`has_cuda_context`; none: a
+    CPU test, or a worker that never touched the GPU, is not made to create one). The light form of
+    :func:`aggressive_empty_cache`: no garbage collection, one call, what verl's checkpoint engines do after a
+    sync (``verl/checkpoint_engine/nccl_checkpoint_engine.py``, ``finalize``)."""
+    if has_cuda_context(device):
+        torch.cuda.empty_cache()
+
+
 def nvml_device_memory(device: Optional[int] = None, nvml=None) -> Tuple[int, int]:
     """(free, total) bytes of this process's CUDA device ``device`` (None: 0) from NVML, without
     initializing CUDA in this process.

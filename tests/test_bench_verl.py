@@ -1109,7 +1109,7 @@ def test_each_engines_server_args_are_recorded_and_the_report_names_the_settings
         wrapped = verl_probe._server_args_recorder(TokenizerManager.__init__)
         wrapped(TokenizerManager.__new__(TokenizerManager), args, None)
         verl_probe._file.close()
-        runs[side] = verl_report.server_args_of(tmp_path / side)
+        runs[side] = verl_report.server_args_of(verl_report.load_spans(spans))
     assert runs["builtin"]["odd"] == "<object object>" and runs["builtin"]["custom_weight_loader"] == []
     diffs = verl_report.server_arg_differences(runs["builtin"], runs["ours"])
     assert [d["arg"] for d in diffs] == ["custom_weight_loader", "disable_piecewise_cuda_graph"]  # not port, seed

@@ -80,6 +80,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -492,8 +493,6 @@ def _agen_factory(fn: Callable, name: str, first_item: bool = False, watch: bool
 def _json_safe(value: Any) -> Any:
     """``value`` if JSON writes it as itself (nested lists and dicts too), else its ``str`` without memory
     addresses (``<... at 0x7f...>``: they differ between any two processes)."""
-    import re
-
     try:
         return json.loads(json.dumps(value))
     except (TypeError, ValueError):

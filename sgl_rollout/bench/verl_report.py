@@ -96,10 +96,10 @@ OWN_SERVER_ARGS = {
 }
 
 
-def server_args_of(run_dir: Path) -> Optional[dict]:
-    """The ``ServerArgs`` of the side's first engine (the probe's ``sglang.server_args`` record: field ->
-    JSON-safe value), or None when the run has none (recorded before 2026-11-28, or no spans)."""
-    for rec in load_spans(Path(run_dir) / "spans"):
+def server_args_of(spans: List[dict]) -> Optional[dict]:
+    """The ``ServerArgs`` of a side's first engine among its ``spans`` (the probe's ``sglang.server_args``
+    record: field -> JSON-safe value), or None when the run has none (recorded before 2026-11-28)."""
+    for rec in spans:
         if rec["name"] == "sglang.server_args" and isinstance(rec.get("args"), dict):
             return rec["args"]
     return None
@@ -438,7 +438,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         ``update_phase_order``, ``update_split`` (``"verl"`` / ``"rollout"`` -> ``{"median", "p90", "n",
         "values"}``, seconds: :func:`update_split` of each of those steps), ``gen_phases`` with
         ``gen_phase_order`` (the same for
-        :func:`gen_breakdown`, over the same steps), and ``per_step`` (step -> verl timings, for the plot).
+        :func:`gen_breakdown`, over the same steps), ``per_step`` (step -> verl timings, for the plot), and
+        ``server_args`` (:func:`server_args_of`; :func:`compare` takes it out and keeps the differences).
     """
     run_dir = Path(run_dir)
     info = _read_json(run_dir / "run.json")
@@ -459,6 +460,7 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
     out["per_step"] = {r["step"]: {k: metric_value(r.get(k)) for k in TIMING_KEYS if metric_value(r.get(k)) is not None} for r in train}
     out.update(_nvml_summary(_read_json(run_dir / "nvml.json")))
     spans = load_spans(run_dir / "spans")
+    out["server_args"] = server_args_of(spans)  # taken out by compare(): comparison.json keeps the differences
     spans, memory = [s for s in spans if s["name"] != MEMORY_SPAN], memory_around_update(spans)
     if memory:
         out["update_memory"] = summarize_memory(memory, later_steps)
@@ -789,12 +791,13 @@ def compare(run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
     pairs = []
     for pair in sorted(run_dirs):
         runs = {side: summarize_run(path, planned) for side, path in run_dirs[pair].items()}
+        server_args = {side: run.pop("server_args", None) for side, run in runs.items()}
         entry = {"pair": pair, "runs": runs}
         if all(s in runs for s in SIDES):
             entry["targets"] = targets(runs["builtin"], runs["ours"], n_val)
             entry["greedy_val"] = greedy_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
             entry["tool_turns"] = turn_agreement(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])
-            diffs = server_arg_differences(server_args_of(run_dirs[pair]["builtin"]), server_args_of(run_dirs[pair]["ours"]))
+            diffs = server_arg_differences(server_args["builtin"], server_args["ours"])
             if diffs is not None:
                 entry["server_args_differ"] = diffs
             last = last_common_validation(run_dirs[pair]["builtin"], run_dirs[pair]["ours"])

@@ -247,14 +247,6 @@ def dead_pids(procs: Sequence) -> List[int]:
     return dead
 
 
-def _running(p) -> bool:
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        return p.is_running()
-    return False
-
-
 #: The watchdog looks for the children's own children every this many ticks in the first
 #: ``DESCENDANT_SCAN_EARLY`` ticks of a start (SGLang's compile workers and the like start with the
 #: engine), and every ``DESCENDANT_SCAN_LATE`` ticks after (2 s and 30 s at the default 0.2 s tick).
@@ -367,7 +359,7 @@ class EngineProcesses:
         for each child every ``10 * watch_interval_s``, holding the GIL about 18 ms each time on a Ray host
         of 4×H200 (py-spy of verl's server actor, 2026-11-28: 74 of its 449 busy samples, more than a
         quarter of what its request loop took)."""
-        live = {c.pid for c in self.children if _running(c)}
+        live = {c.pid for c in self.children} - set(self.dead())
         for pid, p in processes_below(live).items():
             self.descendants.setdefault(pid, p)  # psutil.Process: safe against pid reuse
 

@@ -38,6 +38,7 @@ import torch
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry
 
 from .. import trace
+from ..memory import release_cached_blocks
 from ..weight_sync.p2p import PeerGroup, PlanReceipt, send_plan_buckets
 
 logger = logging.getLogger(__name__)
@@ -209,13 +210,6 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
                                "receive_weights on a trainer rank: trainer ranks send_weights")
         (source, index), = self.peers
         return PlanReceipt(self._group, source, index)
-
-
-def release_cached_blocks() -> None:
-    """``torch.cuda.empty_cache()`` where this process has used CUDA (nothing otherwise: a CPU test, or
-    a worker that never touched the GPU, is not made to create a CUDA context)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 @functools.lru_cache(maxsize=4)

@@ -316,15 +316,13 @@ class FastPathSender:
         (:class:`GatherSteps`); a rank whose plan has fewer buckets gets a no-op header and no buffer."""
         prog = self.plan.program
         t_alloc = time.perf_counter()
-        bufs = {i: self._mem.buffer(i, prog.buffer_bytes[r]) for i, r in enumerate(self.tp_ranks)
-                if b < len(prog.ops[r])}
+        served = {r: i for i, r in enumerate(self.tp_ranks) if b < len(prog.ops[r])}  # engine TP rank -> index
+        bufs = {r: self._mem.buffer(i, prog.buffer_bytes[r]) for r, i in served.items()}
         self._tick("gather.alloc", t_alloc)
-        prog.steps.gather(b, feed, {self.tp_ranks[i]: buf for i, buf in bufs.items()},
-                          lambda s, r, step, srcs: self._mem.dsts(self.tp_ranks.index(r), s, bufs[self.tp_ranks.index(r)],
-                                                                  step, srcs),
+        prog.steps.gather(b, feed, bufs, lambda s, r, step, srcs: self._mem.dsts(served[r], s, bufs[r], step, srcs),
                           self.gather, self._tick)
-        return [(dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), bufs[i]) if i in bufs
-                else (dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None) for i in range(len(self.tp_ranks))]
+        return [(dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), bufs[r]) if r in bufs
+                else (dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None) for i, r in enumerate(self.tp_ranks)]
 
     def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
                      ) -> Tuple[dict, Optional[torch.Tensor]]:
@@ -345,15 +343,14 @@ class FastPathSender:
         the engine, each in steps (:class:`GatherSteps`): a source is dropped once the step with its last
         piece is gathered."""
         feed = SourceFeed(named_tensors, validator, self.plan.program.steps.last_use)
-        stats = self._plan_rounds(lambda b: self._fill_bucket(b, feed), lambda b: None, feed.finish)
+        stats = self._plan_rounds(lambda b: self._fill_bucket(b, feed), feed.finish)
         stats.n_tensors = feed.seen
         return stats
 
-    def _plan_rounds(self, fill: Callable[[int], list], loaded: Callable[[int], None],
-                     done: Callable[[], None]) -> SyncStats:
+    def _plan_rounds(self, fill: Callable[[int], list], done: Callable[[], None]) -> SyncStats:
         """The plan path's bucket rounds (:func:`~.protocol.bucket_rounds`): ``fill(b)`` gives each served
-        rank's (header, buffer) of bucket ``b``, the engine scatters them, ``loaded(b)`` follows; ``done()``
-        after the last bucket of a sync that did not fail."""
+        rank's (header, buffer) of bucket ``b``, the engine scatters them; ``done()`` after the last bucket
+        of a sync that did not fail."""
         prog, stats = self.plan.program, SyncStats()
 
         def next_round(b: int) -> list:
@@ -364,7 +361,6 @@ class FastPathSender:
             stats.n_buckets += 1
             stats.bytes += prog.bytes_rank0[b]
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, *(x.numel() for x in self._buffers if x is not None))
-            loaded(b)
 
         bucket_rounds(next_round=next_round, load=load)
         done()
@@ -391,7 +387,7 @@ class FastPathSender:
             return [self._rank_bucket(0, r, b, lambda buf: write(b, buf[: sizes[b]]))]
 
         with torch.no_grad():
-            stats = self._plan_rounds(fill, lambda b: None, lambda: None)
+            stats = self._plan_rounds(fill, lambda: None)
         if stats.n_buckets:
             self.engine.flush_cache()
         stats.seconds = time.perf_counter() - t0
@@ -577,14 +573,14 @@ class SendProgram:
     """The plan path's per-sync constants, from the layouts (per TP rank, per bucket, the pieces):
     ops per rank and bucket, bytes, and the gather steps (:attr:`steps`)."""
 
-    def __init__(self, layouts: List[List[list]], step_bytes: Optional[int] = None):
+    def __init__(self, layouts: List[List[list]]):
         self.ops = [[_BucketOps(pieces) for pieces in lay] for lay in layouts]
         self.n_buckets = max(len(lay) for lay in layouts)
         self.buffer_bytes = [max(bucket_size(p) for p in lay) for lay in layouts]
         self.bytes_rank0 = [sum(pc.chunk.nbytes for pc in layouts[0][b]) if b < len(layouts[0]) else 0
                             for b in range(self.n_buckets)]
         self.sizes = [[bucket_size(p) for p in lay] for lay in layouts]  # bytes of each rank's buckets
-        self.steps = GatherSteps(self.ops, int(GATHER_STEP_BYTES if step_bytes is None else step_bytes))
+        self.steps = GatherSteps(self.ops, GATHER_STEP_BYTES)
 
 
 class GatherSteps:
@@ -644,7 +640,7 @@ class GatherSteps:
             SyncValidationError: from :meth:`SourceFeed.take`, before the bucket is sent.
         """
         t = time.perf_counter()
-        for s in self.in_bucket[b] if b < len(self.in_bucket) else ():
+        for s in self.in_bucket[b]:
             feed.take(s, self.needed[s])
             t = tick("gather.read", t) if tick is not None else t
             for r, buf in bufs.items():

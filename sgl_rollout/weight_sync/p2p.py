@@ -214,11 +214,6 @@ class PlanPacker:
         self._feed: Optional[SourceFeed] = None
 
     @property
-    def buffer_bytes(self) -> int:
-        """Bytes of the destinations' buffers together."""
-        return sum(b.numel() for b in self.buffers if b is not None)
-
-    @property
     def seen(self) -> int:
         """Tensors read from the stream by the last :meth:`buckets`."""
         return self._feed.seen if self._feed is not None else 0
