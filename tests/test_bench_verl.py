@@ -1111,6 +1111,12 @@ def test_each_engines_server_args_are_recorded_and_the_report_names_the_settings
         verl_probe._file.close()
         runs[side] = verl_report.server_args_of(verl_report.load_spans(spans))
     assert runs["builtin"]["odd"] == "<object object>" and runs["builtin"]["custom_weight_loader"] == []
+
+    class Unprintable:
+        def __str__(self):
+            raise RuntimeError("no")
+
+    assert verl_probe._json_safe(Unprintable()) == "<unprintable>"  # never stops the engine's start
     diffs = verl_report.server_arg_differences(runs["builtin"], runs["ours"])
     assert [d["arg"] for d in diffs] == ["custom_weight_loader", "disable_piecewise_cuda_graph"]  # not port, seed
     assert diffs[0]["why"] and diffs[1]["why"] is None

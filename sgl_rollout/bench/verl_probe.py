@@ -492,11 +492,16 @@ def _agen_factory(fn: Callable, name: str, first_item: bool = False, watch: bool
 
 def _json_safe(value: Any) -> Any:
     """``value`` if JSON writes it as itself (nested lists and dicts too), else its ``str`` without memory
-    addresses (``<... at 0x7f...>``: they differ between any two processes)."""
+    addresses (``<... at 0x7f...>``: they differ between any two processes); ``"<unprintable>"`` where even
+    ``str`` raises. It never raises: it runs inside SGLang's ``TokenizerManager.__init__``, the engine's start."""
     try:
         return json.loads(json.dumps(value))
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 - not JSON: TypeError, ValueError, RecursionError, ...
+        pass
+    try:
         return re.sub(r" at 0x[0-9a-fA-F]+", "", str(value))
+    except Exception:  # noqa: BLE001 - a value whose __str__ raises must not stop the engine's start
+        return "<unprintable>"
 
 
 def _server_args_recorder(fn: Callable, name: str = "sglang.server_args") -> Callable:
