@@ -121,7 +121,9 @@ FEATURES: List[Feature] = [
                  "(examples/verl/compare/one-step-off-smollm2-h200x2-nccl); on the 1.1B shape, 4×H200: 0.372 s against"
                  " 0.369 s (examples/verl/compare/one-step-off-1b-random-h200x4-nccl); fully-async, SmolLM2, 4×H200: "
                  "`timing_s/param_sync` 0.297 s against 0.369 s "
-                 "(examples/verl/compare/fully-async-smollm2-h200x4-nccl)"),
+                 "(examples/verl/compare/fully-async-smollm2-h200x4-nccl); fully-async on the 1.1B shape, 4×H200: "
+                 "0.350 s against 0.535 s, `timing_s/gen` 1.97 s against 1.97 s "
+                 "(examples/verl/compare/fully-async-1b-random-h200x4-nccl)"),
     Feature("checkpoint-engine backend `sgl_rollout` (each trainer rank sends each rollout TP rank only its shard, "
             "into the fast path's buffer)", False, True,
             "tests/test_p2p.py::test_verl_drives_the_backend_as_its_checkpoint_engine_manager_does",
@@ -130,8 +132,11 @@ FEATURES: List[Feature] = [
                  "(examples/verl/compare/fully-async-smollm2-h200x4); one-step-off on 2×H200, 3 steps: "
                  "`timing_s/sync_rollout_weights` 0.109 s against 0.345 s "
                  "(examples/verl/compare/one-step-off-smollm2-h200x2-sgl_rollout); one-step-off on the 1.1B shape, "
-                 "both sides at once on 4×H200: 0.078 s against 0.369 s, `timing_s/generate_async` 7.69 s against 7.90"
-                 " s (examples/verl/compare/one-step-off-1b-random-h200x4-sgl_rollout); `tests/gpu/test_p2p_gpu.py` "
+                 "4×H200 (sides in one lease): 0.101 s against 0.451 s, `timing_s/generate_async` 8.67 s against "
+                 "10.11 s (examples/verl/compare/one-step-off-1b-random-h200x4-sgl_rollout); fully-async on the 1.1B "
+                 "shape, both sides at once: `timing_s/param_sync` 0.086 s against 0.535 s, `timing_s/step` 9.45 s "
+                 "against 10.33 s, `timing_s/gen` 2.15 s against 1.97 s "
+                 "(examples/verl/compare/fully-async-1b-random-h200x4-sgl_rollout); `tests/gpu/test_p2p_gpu.py` "
                  "bit-exact against SGLang's `load_weights` on 2×H200"),
     Feature("checkpoint-engine backend `delta_sharded`", True, False,
             "tests/test_feature_matrix.py::test_each_refused_feature_is_refused_at_start_up",
