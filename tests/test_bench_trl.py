@@ -37,6 +37,10 @@ def test_both_sides_train_and_every_step_is_recorded(tmp_path):
     assert [r["step"] for r in ours] == [1, 2] and [r["step"] for r in theirs] == [1, 2]
     assert all(r["gen_s"] > 0 and r["step_s"] >= r["gen_s"] and r["sync_s"] is not None for r in ours)
     assert all(r["sync_s"] is None and r["reward"] is not None for r in theirs)
+    # ours splits its generation: the engine's generate call and its sleep, inside TRL's _generate
+    assert all(r["engine_gen_s"] is not None and r["sleep_s"] is not None
+               and r["sync_s"] + r["engine_gen_s"] + r["sleep_s"] <= r["gen_s"] for r in ours)
+    assert all(r["engine_gen_s"] is None and r["sleep_s"] is None for r in theirs)
     # then the greedy check: a sync of the last weights, greedy on the engine, back to sleep
     assert workers[0].events == ["sync", "generate", "sleep"] * 3
     greedy = json.loads((tmp_path / "out" / "ours.greedy.json").read_text())

@@ -7,7 +7,8 @@ through the chat template (:mod:`sgl_rollout.workloads`) and its reward, the sam
 completion length; each side in a process of its own, one after the other. Per training step the record
 (``<out>/<side>.jsonl``) holds: ``step_s`` (the step, generation included), ``gen_s`` (TRL's ``_generate``:
 templating, the engine's wake and sync on side ``ours``, generation, sleep), ``sync_s`` (side ``ours``:
-the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``peak_gb`` (torch's peak allocated
+the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``engine_gen_s`` and ``sleep_s`` (side
+``ours``: the engine's generate call and its sleep, the rest of ``gen_s`` being TRL's own), ``peak_gb`` (torch's peak allocated
 device memory in the trainer's process during the step, GB = 1e9 bytes; the engine's own memory is in
 SGLang's processes and not in it) and ``reward`` (TRL's logged mean). ``comparison.json`` and the printed
 table give medians over the steps after the first, and ours / each other side. After its run side ``ours``
@@ -38,7 +39,7 @@ SIDES = ("ours", "vllm", "transformers")
 DEFAULT_SIDES = ("ours", "transformers")
 #: Per-step fields of a side's record, in the table's order; the table adds ``device_peak_gb`` (NVML's peak
 #: over the side's run, every process on its GPUs, the engine's included, in GB above what was in use before).
-FIELDS = ("step_s", "gen_s", "sync_s", "peak_gb", "reward")
+FIELDS = ("step_s", "gen_s", "sync_s", "engine_gen_s", "sleep_s", "peak_gb", "reward")
 TABLE_FIELDS = FIELDS + ("device_peak_gb",)
 
 
@@ -54,6 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3,
                    help="the engine's share of the GPU (SGLang's on side ours, vLLM's on side vllm)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="side ours without CUDA graphs (SGLang's disable_cuda_graph); by default its engine "
+                        "captures them, as vLLM's colocate mode does, and releases them while it sleeps")
     p.add_argument("--out", default="runs/trl-compare")
 
 
@@ -137,7 +141,8 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
         # the engine flags bench verl and the GPU tests pass (triton attention, pytorch sampling): what this
         # project's GPU host runs (shared/gpu-overlay)
         rollout = worker or RolloutConfig(model_path=model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
-                                          enforce_eager=True, engine_kwargs=gpu_engine_flags())
+                                          enforce_eager=bool(args.enforce_eager),
+                                          engine_kwargs=gpu_engine_flags())
         trainer = SglGRPOTrainer(rollout=rollout, **common)
     else:
         trainer = GRPOTrainer(**common)
@@ -146,6 +151,8 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
     _timed(trainer, "_generate", now, "gen_s")
     if side == "ours":
         _timed(trainer.sgl.worker, "update_weights", now, "sync_s")
+        _timed(trainer.sgl.worker, "generate", now, "engine_gen_s")
+        _timed(trainer.sgl.worker, "sleep", now, "sleep_s")
     elif side == "vllm":
         _timed(trainer.vllm_generation, "sync_weights", now, "sync_s")
 
@@ -163,6 +170,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
         def on_step_end(self, _args, state, *_a, **_k):
             rows.append({"step": state.global_step, "step_s": time.perf_counter() - now.get("t0", 0.0),
                          "gen_s": now.get("gen_s", 0.0), "sync_s": now.get("sync_s"),
+                         "engine_gen_s": now.get("engine_gen_s"), "sleep_s": now.get("sleep_s"),
                          "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None, "reward": None})
 
     trainer.add_callback(Record())
