@@ -1126,6 +1126,19 @@ def test_each_engines_server_args_are_recorded_and_the_report_names_the_settings
     assert verl_report._server_args_lines({"server_args_differ": []})[0].endswith("the same on both sides.")
 
 
+def test_the_same_model_folder_in_two_run_folders_is_not_a_server_args_difference():
+    """A side reported against another run's side (``--sides``) read its own copy of the model, written into
+    its run folder under the same name: the sixth session's report listed ``model_path`` as the sides running
+    unlike engines. Another model is still a difference."""
+    from sgl_rollout.bench import verl_report
+
+    a = {"model_path": "/tmp/res/a/model-1b-random", "tokenizer_path": "/tmp/res/a/model-1b-random", "tp_size": 1}
+    b = {"model_path": "/tmp/res/b/model-1b-random", "tokenizer_path": "/tmp/res/b/model-1b-random", "tp_size": 1}
+    assert verl_report.server_arg_differences(a, b) == []
+    c = dict(b, model_path="/tmp/res/b/model-8b-random")
+    assert [d["arg"] for d in verl_report.server_arg_differences(a, c)] == ["model_path"]
+
+
 def test_the_server_args_target_is_sglangs_tokenizer_manager_in_both_releases():
     """``TokenizerManager.__init__(self, server_args, ...)`` in SGLang 0.5.10.post1 (installed) and 0.5.12 (its
     source, unpacked by ``make test``): the probe's ServerArgs record reads that argument."""

@@ -89,6 +89,9 @@ def load_spans(folder: Path) -> List[dict]:
 
 #: ``ServerArgs`` fields that differ between any two engines (ports, addresses, seeds): not compared.
 _VOLATILE_SERVER_ARG = re.compile(r"port|addr|host|seed")
+#: ``ServerArgs`` fields naming the model's folder: a side reported against another run's side (``--sides``) read
+#: its own copy, written into its run folder under the same name (``--random-model``: drawn from a fixed seed).
+_MODEL_PATH_ARGS = ("model_path", "tokenizer_path", "served_model_name")
 #: ``ServerArgs`` fields this package sets otherwise than verl's built-in on purpose, and why.
 OWN_SERVER_ARGS = {
     "custom_weight_loader": "this package's fast-path loader (sgl_rollout.weight_sync.receiver)",
@@ -108,14 +111,18 @@ def server_args_of(spans: List[dict]) -> Optional[dict]:
 def server_arg_differences(builtin: Optional[dict], ours: Optional[dict]) -> Optional[List[dict]]:
     """The ``ServerArgs`` fields whose values differ between the sides' engines, ports, addresses and
     seeds left out: ``[{"arg", "builtin", "ours", "why"}, ...]`` by name (``why``: :data:`OWN_SERVER_ARGS`'
-    reason, None for a difference this package did not mean); None unless both sides recorded theirs."""
+    reason, None for a difference this package did not mean); None unless both sides recorded theirs.
+    A model folder of the same name in two run folders (:data:`_MODEL_PATH_ARGS`) is not a difference."""
     if not builtin or not ours:
         return None
     out = []
     for key in sorted(builtin.keys() | ours.keys()):
-        if _VOLATILE_SERVER_ARG.search(key) or builtin.get(key) == ours.get(key):
+        a, b = builtin.get(key), ours.get(key)
+        if _VOLATILE_SERVER_ARG.search(key) or a == b:
             continue
-        out.append({"arg": key, "builtin": builtin.get(key), "ours": ours.get(key), "why": OWN_SERVER_ARGS.get(key)})
+        if key in _MODEL_PATH_ARGS and isinstance(a, str) and isinstance(b, str) and Path(a).name == Path(b).name:
+            continue
+        out.append({"arg": key, "builtin": a, "ours": b, "why": OWN_SERVER_ARGS.get(key)})
     return out
 
 
