@@ -63,9 +63,10 @@ def test_main_runs_each_side_in_its_own_process_and_reports_a_failed_one(tmp_pat
         def __init__(self, rc):
             self.returncode = rc
 
-    def fake_run(cmd, stdout=None, stderr=None):
+    def fake_run(cmd, stdout=None, stderr=None, env=None):
         side = cmd[3]
         calls.append(side)
+        assert env["PYTHONPATH"] == "/caller"  # sides other than vllm keep the caller's site
         if side == "ours":
             rows = [{"step": s, "step_s": 2.0, "gen_s": 1.0, "sync_s": 0.1, "peak_gb": None, "reward": 0.5}
                     for s in (1, 2)]
@@ -81,6 +82,7 @@ def test_main_runs_each_side_in_its_own_process_and_reports_a_failed_one(tmp_pat
             return {"peak_used_bytes": {"0": 5e9, "1": 4e9}, "baseline_bytes": {"0": 4e9, "1": 1e9}}
 
     monkeypatch.setattr(trl_compare.subprocess, "run", fake_run)
+    monkeypatch.setenv("PYTHONPATH", "/caller")
     monkeypatch.setattr("sgl_rollout.workloads.resolve_model", lambda model, gguf: tmp_path / "m")
     monkeypatch.setattr("sgl_rollout.bench.verl_compare.NvmlSampler", Nvml)
     assert trl_compare.main(_args(out=str(tmp_path))) == 1
@@ -89,6 +91,16 @@ def test_main_runs_each_side_in_its_own_process_and_reports_a_failed_one(tmp_pat
     assert got["failed"] == ["transformers"] and got["summary"]["ours"]["sync_s"] == 0.1
     assert got["summary"]["ours"]["device_peak_gb"] == 3.0
     assert "side transformers failed" in capsys.readouterr().out
+
+
+def test_the_vllm_side_gets_its_own_pythonpath(monkeypatch):
+    """vLLM and SGLang pin different kernels: side vllm runs on its own site (``--vllm-pythonpath``), the
+    others on the caller's."""
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site:/repo")
+    args = build_parser().parse_args(["trl", "--vllm-pythonpath", "/tmp/trl:/tmp/vsite:/repo"])
+    assert trl_compare.side_env("vllm", args)["PYTHONPATH"] == "/tmp/trl:/tmp/vsite:/repo"
+    assert trl_compare.side_env("ours", args)["PYTHONPATH"] == "/tmp/site:/repo"
+    assert trl_compare.side_env("vllm", build_parser().parse_args(["trl"]))["PYTHONPATH"] == "/tmp/site:/repo"
 
 
 def test_the_vllm_side_is_trls_colocate_mode_and_passes_trls_own_config_checks(tmp_path):

@@ -19,7 +19,9 @@ Side ``vllm`` (issue 48's side (b), ``--sides ours,vllm,transformers``) is TRL's
 (``use_vllm=True, vllm_mode="colocate"``, vLLM's sleep mode on, ``--gpu-memory-utilization`` as vLLM's share):
 its ``sync_s`` is TRL's ``VLLMGeneration.sync_weights`` (the per-parameter ``load_weights`` push). It needs
 vLLM in the environment (TRL 1.16 takes vllm 0.22-0.31) and has never run: no vLLM on the CPU test machine or
-on this project's GPU host yet. The other two sides ran on the CPU only (``tests/test_bench_trl.py``, the
+on this project's GPU host yet. vLLM and SGLang pin different kernels (flashinfer, tvm-ffi, ...), so they live
+in sites of their own: ``--vllm-pythonpath`` gives side ``vllm``'s process its own ``PYTHONPATH`` (vLLM's site,
+TRL's, and this package's root) while the other sides keep the caller's. The other two sides ran on the CPU only (``tests/test_bench_trl.py``, the
 ``ours`` side on an engine double).
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -58,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="side ours without CUDA graphs (SGLang's disable_cuda_graph); by default its engine "
                         "captures them, as vLLM's colocate mode does, and releases them while it sleeps")
+    p.add_argument("--vllm-pythonpath", default=None,
+                   help="PYTHONPATH of side vllm's process (vLLM's own site first; it cannot share SGLang's); "
+                        "default: the caller's")
     p.add_argument("--out", default="runs/trl-compare")
 
 
@@ -270,6 +276,15 @@ def child(side: str, args_json: str, model_dir: str, out_dir: str) -> None:
     run_side(side, argparse.Namespace(**json.loads(args_json)), model_dir, Path(out_dir))
 
 
+def side_env(side: str, args: argparse.Namespace) -> Dict[str, str]:
+    """The environment of ``side``'s process: the caller's, with ``PYTHONPATH`` replaced by
+    ``--vllm-pythonpath`` on side ``vllm`` when given."""
+    env = dict(os.environ)
+    if side == "vllm" and getattr(args, "vllm_pythonpath", None):
+        env["PYTHONPATH"] = args.vllm_pythonpath
+    return env
+
+
 def main(args: argparse.Namespace) -> int:
     """Run each side in a process of its own, then print and write ``comparison.json``; exit 1 when a side
     failed (its log is ``<out>/<side>.log``)."""
@@ -287,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
         sampler = NvmlSampler().start()  # the device's memory, the engine's processes included
         with open(out / f"{side}.log", "w", encoding="utf-8") as log:
             rc = subprocess.run([sys.executable, "-c", code, side, json.dumps(vars(args)), model_dir, str(out)],
-                                stdout=log, stderr=subprocess.STDOUT).returncode
+                                stdout=log, stderr=subprocess.STDOUT, env=side_env(side, args)).returncode
         nvml[side] = sampler.stop()
         path = out / f"{side}.jsonl"
         if rc != 0 or not path.is_file():
