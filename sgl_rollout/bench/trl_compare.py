@@ -7,10 +7,10 @@ through the chat template (:mod:`sgl_rollout.workloads`) and its reward, the sam
 completion length; each side in a process of its own, one after the other. Per training step the record
 (``<out>/<side>.jsonl``) holds: ``step_s`` (the step, generation included), ``gen_s`` (TRL's ``_generate``:
 templating, the engine's wake and sync on side ``ours``, generation, sleep), ``sync_s`` (side ``ours``:
-the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``engine_gen_s`` and ``sleep_s`` (side
-``ours``: the engine's generate call and its sleep, the rest of ``gen_s`` being TRL's own), ``peak_gb`` (torch's peak allocated
-device memory in the trainer's process during the step, GB = 1e9 bytes; the engine's own memory is in
-SGLang's processes and not in it) and ``reward`` (TRL's logged mean). ``comparison.json`` and the printed
+the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``engine_gen_s`` and ``sleep_s``
+(side ``ours``: the engine's generate call and its sleep, the rest of ``gen_s`` being TRL's own),
+``peak_gb`` (torch's peak allocated device memory in the trainer's process during the step, GB = 1e9
+bytes; the engine's own memory is in SGLang's processes and not in it) and ``reward`` (TRL's logged mean). ``comparison.json`` and the printed
 table give medians over the steps after the first, and ours / each other side. After its run side ``ours``
 checks its engine bit for bit (:func:`greedy_check`, ``<out>/ours.greedy.json``, also in ``comparison.json``
 and printed): greedy output after a sync equals Hugging Face's with the trainer's weights.
@@ -21,8 +21,9 @@ its ``sync_s`` is TRL's ``VLLMGeneration.sync_weights`` (the per-parameter ``loa
 vLLM in the environment (TRL 1.16 takes vllm 0.22-0.31) and has never run: no vLLM on the CPU test machine or
 on this project's GPU host yet. vLLM and SGLang pin different kernels (flashinfer, tvm-ffi, ...), so they live
 in sites of their own: ``--vllm-pythonpath`` gives side ``vllm``'s process its own ``PYTHONPATH`` (vLLM's site,
-TRL's, and this package's root) while the other sides keep the caller's. The other two sides ran on the CPU only (``tests/test_bench_trl.py``, the
-``ours`` side on an engine double).
+TRL's, and this package's root) while the other sides keep the caller's. The other two sides ran on one
+H200 in the sixth session of 2026-11-28 (``examples/trl/smollm2-135m-h200/``) and on the CPU
+(``tests/test_bench_trl.py``, the ``ours`` side on an engine double).
 """
 
 from __future__ import annotations
