@@ -10,8 +10,9 @@ templating, the engine's wake and sync on side ``ours``, generation, sleep), ``s
 the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``engine_gen_s`` and ``sleep_s``
 (side ``ours``: the engine's generate call and its sleep, the rest of ``gen_s`` being TRL's own),
 ``peak_gb`` (torch's peak allocated device memory in the trainer's process during the step, GB = 1e9
-bytes; the engine's own memory is in SGLang's processes and not in it) and ``reward`` (TRL's logged mean). ``comparison.json`` and the printed
-table give medians over the steps after the first, and ours / each other side. After its run side ``ours``
+bytes; the engine's own memory is in SGLang's processes and not in it) and ``reward`` (TRL's logged
+mean). ``comparison.json`` and the printed table give medians over the steps after the first, and ours /
+each other side. After its run side ``ours``
 checks its engine bit for bit (:func:`greedy_check`, ``<out>/ours.greedy.json``, also in ``comparison.json``
 and printed): greedy output after a sync equals Hugging Face's with the trainer's weights.
 
