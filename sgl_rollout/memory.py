@@ -279,7 +279,7 @@ def release_cached_blocks(device: Optional[int] = None, grown_since: Optional[in
     """
     if not has_cuda_context(device):
         return False
-    if grown_since is not None and reserved_bytes(device) <= int(grown_since):
+    if grown_since is not None and torch.cuda.memory_reserved(device) <= int(grown_since):
         return False
     torch.cuda.empty_cache()
     return True

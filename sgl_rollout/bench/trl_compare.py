@@ -282,7 +282,7 @@ def side_env(side: str, args: argparse.Namespace) -> Dict[str, str]:
     """The environment of ``side``'s process: the caller's, with ``PYTHONPATH`` replaced by
     ``--vllm-pythonpath`` on side ``vllm`` when given."""
     env = dict(os.environ)
-    if side == "vllm" and getattr(args, "vllm_pythonpath", None):
+    if side == "vllm" and args.vllm_pythonpath:
         env["PYTHONPATH"] = args.vllm_pythonpath
     return env
 
