@@ -29,6 +29,7 @@ class WorkerDouble:
         self.params = dict(self.model.named_parameters())
         self.trainer, self.refuse, self.asleep = None, refuse, False
         self.events, self.synced, self.generated = [], [], []
+        self.last_phase_seconds = {}  # the staged wake's phases, as RolloutWorker's
         self.gen = torch.Generator().manual_seed(0)
 
     def update_weights(self, named_tensors):
@@ -44,6 +45,8 @@ class WorkerDouble:
         self.synced.append({n: t.clone() for n, t in named})
         self.asleep = False
         self.events.append("sync")
+        self.last_phase_seconds = {"resume_weights": 0.001, "sync": 0.002, "empty_cache": 0.001,
+                                   "resume_kv_cache": 0.004}
 
     def generate(self, input_ids, sampling_params, n=1, return_logprob=True):
         assert not self.asleep, "generate while asleep"

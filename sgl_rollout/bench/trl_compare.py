@@ -6,9 +6,13 @@ Both sides: the demo's model (SmolLM2-135M-Instruct unless ``--model``), the dem
 through the chat template (:mod:`sgl_rollout.workloads`) and its reward, the same seed, batch and
 completion length; each side in a process of its own, one after the other. Per training step the record
 (``<out>/<side>.jsonl``) holds: ``step_s`` (the step, generation included), ``gen_s`` (TRL's ``_generate``:
-templating, the engine's wake and sync on side ``ours``, generation, sleep), ``sync_s`` (side ``ours``:
-the staged wake's weight sync, :meth:`RolloutWorker.update_weights`), ``engine_gen_s`` and ``sleep_s``
-(side ``ours``: the engine's generate call and its sleep, the rest of ``gen_s`` being TRL's own),
+templating, the engine's wake and sync on side ``ours``, generation, sleep), ``sync_s`` (the weight sync,
+measured as TRL's ``VLLMGeneration.sync_weights`` is on side ``vllm``: the weights' memory back, the
+weights pushed, the cache emptied; on side ``ours`` the phases ``resume_weights``, ``sync`` and
+``empty_cache`` of :meth:`RolloutWorker.update_weights`), ``wake_s`` (side ``ours``: the whole staged wake
+with its sync, the KV cache's and CUDA graphs' resume included, which vLLM does inside its generate),
+``engine_gen_s`` and ``sleep_s`` (side ``ours``: the engine's generate call and its sleep, the rest of
+``gen_s`` being TRL's own),
 ``peak_gb`` (torch's peak allocated device memory in the trainer's process during the step, GB = 1e9
 bytes; the engine's own memory is in SGLang's processes and not in it) and ``reward`` (TRL's logged
 mean). ``comparison.json`` and the printed table give medians over the steps after the first, and ours /
@@ -18,13 +22,14 @@ and printed): greedy output after a sync equals Hugging Face's with the trainer'
 
 Side ``vllm`` (issue 48's side (b), ``--sides ours,vllm,transformers``) is TRL's own vLLM colocate mode
 (``use_vllm=True, vllm_mode="colocate"``, vLLM's sleep mode on, ``--gpu-memory-utilization`` as vLLM's share):
-its ``sync_s`` is TRL's ``VLLMGeneration.sync_weights`` (the per-parameter ``load_weights`` push). It needs
-vLLM in the environment (TRL 1.16 takes vllm 0.22-0.31) and has never run: no vLLM on the CPU test machine or
-on this project's GPU host yet. vLLM and SGLang pin different kernels (flashinfer, tvm-ffi, ...), so they live
+its ``sync_s`` is TRL's ``VLLMGeneration.sync_weights`` (``empty_cache``, ``wake_up(tags=["weights"])``,
+the per-parameter ``load_weights`` push, ``reset_prefix_cache``). It needs vLLM in the environment (TRL 1.16
+takes vllm 0.22-0.31); it ran with vLLM 0.26.0 on one H200 in the seventh session of 2026-11-28
+(``examples/trl/smollm2-135m-h200/``). vLLM and SGLang pin different kernels (flashinfer, tvm-ffi, ...), so they live
 in sites of their own: ``--vllm-pythonpath`` gives side ``vllm``'s process its own ``PYTHONPATH`` (vLLM's site,
-TRL's, and this package's root) while the other sides keep the caller's. The other two sides ran on one
-H200 in the sixth session of 2026-11-28 (``examples/trl/smollm2-135m-h200/``) and on the CPU
-(``tests/test_bench_trl.py``, the ``ours`` side on an engine double).
+TRL's, and this package's root) while the other sides keep the caller's. The other two sides also run on the
+CPU (``tests/test_bench_trl.py``, the ``ours`` side on an engine double). ``<out>/comparison.md`` holds the
+printed table and the greedy check.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ SIDES = ("ours", "vllm", "transformers")
 DEFAULT_SIDES = ("ours", "transformers")
 #: Per-step fields of a side's record, in the table's order; the table adds ``device_peak_gb`` (NVML's peak
 #: over the side's run, every process on its GPUs, the engine's included, in GB above what was in use before).
-FIELDS = ("step_s", "gen_s", "sync_s", "engine_gen_s", "sleep_s", "peak_gb", "reward")
+FIELDS = ("step_s", "gen_s", "sync_s", "wake_s", "engine_gen_s", "sleep_s", "peak_gb", "reward")
 TABLE_FIELDS = FIELDS + ("device_peak_gb",)
 
 
@@ -90,8 +95,15 @@ def problem_reward(completions, answer, **kwargs) -> List[float]:
     return [reward(t, int(a)) for t, a in zip(texts, answer)]
 
 
-def _timed(trainer, name: str, into: Dict[str, float], key: str) -> None:
-    """Wrap ``trainer.<name>`` so that each call adds its seconds to ``into[key]``."""
+#: The phases of :meth:`RolloutWorker.update_weights` (:attr:`Switch.last_phase_seconds`) that make up what
+#: TRL's ``VLLMGeneration.sync_weights`` does on vLLM: the weights' memory back, the push, the cache emptied.
+SYNC_PHASES = ("resume_weights", "sync", "empty_cache")
+
+
+def _timed(trainer, name: str, into: Dict[str, float], key: str,
+           after: Optional[Callable[[Dict[str, float]], None]] = None) -> None:
+    """Wrap ``trainer.<name>`` so that each call adds its seconds to ``into[key]``, then calls ``after(into)``
+    (when given) once the call returned or raised."""
     inner = getattr(trainer, name)
 
     def timed(*args, **kwargs):
@@ -100,6 +112,8 @@ def _timed(trainer, name: str, into: Dict[str, float], key: str) -> None:
             return inner(*args, **kwargs)
         finally:
             into[key] = into.get(key, 0.0) + time.perf_counter() - t0
+            if after is not None:
+                after(into)
 
     setattr(trainer, name, timed)
 
@@ -158,9 +172,15 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
     rows: List[dict] = []
     _timed(trainer, "_generate", now, "gen_s")
     if side == "ours":
-        _timed(trainer.sgl.worker, "update_weights", now, "sync_s")
-        _timed(trainer.sgl.worker, "generate", now, "engine_gen_s")
-        _timed(trainer.sgl.worker, "sleep", now, "sleep_s")
+        worker = trainer.sgl.worker
+
+        def sync_part(into: Dict[str, float]) -> None:
+            phases = worker.last_phase_seconds
+            into["sync_s"] = into.get("sync_s", 0.0) + sum(phases.get(k, 0.0) for k in SYNC_PHASES)
+
+        _timed(worker, "update_weights", now, "wake_s", after=sync_part)
+        _timed(worker, "generate", now, "engine_gen_s")
+        _timed(worker, "sleep", now, "sleep_s")
     elif side == "vllm":
         _timed(trainer.vllm_generation, "sync_weights", now, "sync_s")
 
@@ -177,7 +197,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
 
         def on_step_end(self, _args, state, *_a, **_k):
             rows.append({"step": state.global_step, "step_s": time.perf_counter() - now.get("t0", 0.0),
-                         "gen_s": now.get("gen_s", 0.0), "sync_s": now.get("sync_s"),
+                         "gen_s": now.get("gen_s", 0.0), "sync_s": now.get("sync_s"), "wake_s": now.get("wake_s"),
                          "engine_gen_s": now.get("engine_gen_s"), "sleep_s": now.get("sleep_s"),
                          "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None, "reward": None})
 
@@ -295,7 +315,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = str(resolve_model(args.model, None))
-    from .verl_compare import NvmlSampler
+    from .verl_compare import NvmlSampler, argv_tail
 
     rows, failed, nvml = {}, [], {}
     for side in [s for s in args.sides.split(",") if s]:
@@ -319,11 +339,17 @@ def main(args: argparse.Namespace) -> int:
     greedy = json.loads(greedy_file.read_text()) if "ours" in rows and greedy_file.is_file() else None
     (out / "comparison.json").write_text(json.dumps({"args": vars(args), "model": model_dir, "summary": summary,
                                                      "greedy": greedy, "failed": failed}, indent=1) + "\n")
-    print("\n".join(table(summary)) if summary else "no side finished")
+    lines = table(summary) if summary else ["no side finished"]
     if greedy:
-        print(f"greedy after the last sync (ours): {greedy['equal']} of {greedy['prompts']} prompts equal to Hugging "
-              f"Face's with the trainer's weights, {greedy['tokens']} tokens each (largest gap where not: "
-              f"{greedy['max_gap']:.3f} logit units)")
+        lines += ["", f"greedy after the last sync (ours): {greedy['equal']} of {greedy['prompts']} prompts equal to "
+                      f"Hugging Face's with the trainer's weights, {greedy['tokens']} tokens each (largest gap where "
+                      f"not: {greedy['max_gap']:.3f} logit units)"]
+    print("\n".join(lines))
+    import shlex
+
+    command = " ".join(["python -m sgl_rollout.bench trl", *(shlex.quote(a) for a in argv_tail(sys.argv, "trl"))])
+    (out / "comparison.md").write_text(f"# bench trl\n\n- command: `{command}`\n- model: `{model_dir}`\n\n"
+                                       + "\n".join(lines) + "\n")
     for side in failed:
         print(f"bench trl: side {side} failed (log {out / (side + '.log')})")
     return 1 if failed else 0

@@ -530,11 +530,11 @@ def last_error_line(log: Path) -> Optional[str]:
 _EXCEPTION_LINE = re.compile(r"\b[A-Za-z_][\w.]*(?:Error|Exception): ")
 
 
-def argv_tail(argv: Sequence[str]) -> List[str]:
-    """The arguments after ``verl`` in ``argv`` (``python -m sgl_rollout.bench verl ...`` puts the
-    module's file first), so the report shows the command a user types."""
+def argv_tail(argv: Sequence[str], cmd: str = "verl") -> List[str]:
+    """The arguments after the bench's ``cmd`` (``verl``, ``trl``) in ``argv`` (``python -m sgl_rollout.bench
+    verl ...`` puts the module's file first), so the report shows the command a user types."""
     args = list(argv[1:])
-    return args[1:] if args[:1] == ["verl"] else args
+    return args[1:] if args[:1] == [cmd] else args
 
 
 def _quote(s: str) -> str:
