@@ -153,7 +153,8 @@ def test_grpo_on_a_vision_language_model_sends_each_prompts_image_to_the_engine(
     """TRL's GRPOTrainer on a tiny random Qwen2.5-VL (``sgl_rollout.bench.vlm``): the dataset's ``image``
     column becomes each prompt's image (TRL's ``prepare_multimodal_messages``), SGLang generates with it, 2
     steps train on the completions; then greedy after the sync == Hugging Face's with the trainer's weights on
-    a text prompt. Written 2026-11-28 without a GPU run (the processor needs torchvision: the GPU host has it)."""
+    a text prompt. First GPU try (2026-11-28, seventh session): the engine died on SGLang's default FA3
+    vision attention (missing from the host's sgl_kernel); since then on SDPA, not yet run again."""
     from PIL import Image
     from trl import GRPOConfig
 
@@ -168,8 +169,10 @@ def test_grpo_on_a_vision_language_model_sends_each_prompts_image_to_the_engine(
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, max_steps=2, report_to="none", logging_steps=1, save_strategy="no",
                       bf16=True, gradient_checkpointing=False, beta=0.0, learning_rate=1e-3)
+    # the vision tower's attention on torch's SDPA, as test_vlm_gpu.py: SGLang's default on Hopper is FA3,
+    # whose sgl_kernel module (flash_ops) the GPU host's overlay lacks (seventh session: the scheduler died)
     rollout = RolloutConfig(model_path=model_dir, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True,
-                            engine_kwargs=gpu_engine_flags())
+                            engine_kwargs={**gpu_engine_flags(), "mm_attention_backend": "sdpa"})
     trainer = SglGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
                              args=args, train_dataset=ds, rollout=rollout)
     seen = []
