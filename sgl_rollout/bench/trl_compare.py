@@ -12,7 +12,8 @@ weights pushed, the cache emptied; on side ``ours`` the phases ``resume_weights`
 ``empty_cache`` of :meth:`RolloutWorker.update_weights`), ``wake_s`` (side ``ours``: the whole staged wake
 with its sync, the KV cache's and CUDA graphs' resume included, which vLLM does inside its generate),
 ``engine_gen_s`` and ``sleep_s`` (side ``ours``: the engine's generate call and its sleep, the rest of
-``gen_s`` being TRL's own),
+``gen_s`` being TRL's own), ``wake_phases`` (side ``ours``: the seconds of each phase of the step's last wake,
+:attr:`RolloutWorker.last_phase_seconds`, the sync's parts ``sync.*`` included),
 ``peak_gb`` (torch's peak allocated device memory in the trainer's process during the step, GB = 1e9
 bytes; the engine's own memory is in SGLang's processes and not in it) and ``reward`` (TRL's logged
 mean). ``comparison.json`` and the printed table give medians over the steps after the first, and ours /
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 #: The sides a run can name, in the order they run (``--sides`` picks; the default leaves ``vllm`` out).
 SIDES = ("ours", "vllm", "transformers")
@@ -100,8 +101,8 @@ def problem_reward(completions, answer, **kwargs) -> List[float]:
 SYNC_PHASES = ("resume_weights", "sync", "empty_cache")
 
 
-def _timed(trainer, name: str, into: Dict[str, float], key: str,
-           after: Optional[Callable[[Dict[str, float]], None]] = None) -> None:
+def _timed(trainer, name: str, into: Dict[str, Any], key: str,
+           after: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
     """Wrap ``trainer.<name>`` so that each call adds its seconds to ``into[key]``, then calls ``after(into)``
     (when given) once the call returned or raised."""
     inner = getattr(trainer, name)
@@ -168,15 +169,16 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
         trainer = SglGRPOTrainer(rollout=rollout, **common)
     else:
         trainer = GRPOTrainer(**common)
-    now: Dict[str, float] = {}
+    now: Dict[str, Any] = {}
     rows: List[dict] = []
     _timed(trainer, "_generate", now, "gen_s")
     if side == "ours":
         worker = trainer.sgl.worker
 
-        def sync_part(into: Dict[str, float]) -> None:
+        def sync_part(into: Dict[str, Any]) -> None:
             phases = worker.last_phase_seconds
             into["sync_s"] = into.get("sync_s", 0.0) + sum(phases.get(k, 0.0) for k in SYNC_PHASES)
+            into["wake_phases"] = {k: round(v, 6) for k, v in phases.items()}  # the step's last wake, by phase
 
         _timed(worker, "update_weights", now, "wake_s", after=sync_part)
         _timed(worker, "generate", now, "engine_gen_s")
@@ -199,7 +201,8 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
             rows.append({"step": state.global_step, "step_s": time.perf_counter() - now.get("t0", 0.0),
                          "gen_s": now.get("gen_s", 0.0), "sync_s": now.get("sync_s"), "wake_s": now.get("wake_s"),
                          "engine_gen_s": now.get("engine_gen_s"), "sleep_s": now.get("sleep_s"),
-                         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None, "reward": None})
+                         "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None, "reward": None,
+                         "wake_phases": now.get("wake_phases")})
 
     trainer.add_callback(Record())
     trainer.train()
