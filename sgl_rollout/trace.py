@@ -22,6 +22,8 @@ Spans the package emits (name: where; fields):
 * ``rollout.bucket``: one bucket made ready to send: ``BucketStream.next_payload`` (flattened,
   serialized) or, on the fast path, its pieces written into the persistent buffer.
 * ``rollout.call``: one round of the fast path's engine call over the TP ranks (``FastPathSender``).
+* ``gather.state_dict``, ``gather.rename``: the layered gather's set-up in verl's trainer worker
+  (:mod:`sgl_rollout.integrations.verl_gather`): FSDP2's ``state_dict()``, verl's key renaming.
 * ``server.sleep``, ``server.resume`` (``stage``: ``"weights"`` or ``"kv_cache"``),
   ``server.begin_weight_sync``, ``server.update_weights_from_payloads``, ``server.finish_weight_sync``:
   the engine's Ray actor (``RolloutServer``).

@@ -69,7 +69,12 @@ def _rank(rank, port, out):
     engine = SimpleNamespace(module=_model(False), model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="llama")))
     from verl.utils.model import convert_weight_keys
 
+    from sgl_rollout import trace
+
+    spans = []
+    trace.add_listener(lambda span: spans.append(span.name))
     names = [k for k, _ in verl_gather._stream(engine)]
+    res["spans"] = spans  # the set-up's two spans, for bench verl's probe
     res["verl_names"] = names == list(convert_weight_keys(engine.module.state_dict(), engine.module).keys())
     res["can_use"] = verl_gather._can_use(engine)
     torch.save(res, out / f"rank{rank}.pt")
@@ -99,6 +104,7 @@ def test_same_names_order_and_values_as_verls_per_tensor_gather(ranks, mixed):
 def test_verls_renaming_and_the_engine_check(ranks):
     for res in ranks:
         assert res["verl_names"] and res["can_use"] is None
+        assert res["spans"] == ["gather.state_dict", "gather.rename"]
 
 
 def test_the_wrapper_switches_on_the_environment_only(monkeypatch):

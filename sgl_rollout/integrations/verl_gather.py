@@ -23,6 +23,8 @@ import logging
 import os
 from typing import Any, Dict, Iterator, Optional, Tuple
 
+from .. import trace
+
 logger = logging.getLogger(__name__)
 
 #: The environment switch :func:`install`'s wrapper reads in each trainer worker at every call.
@@ -121,10 +123,13 @@ def _stream(engine) -> Iterator[Tuple[str, Any]]:
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
     module = engine.module
-    state = module.state_dict()
-    renamed: Dict[str, str] = {key: new for new, key in
-                               convert_weight_keys({k: k for k in state},
-                                                   getattr(module, "_fsdp_wrapped_module", module)).items()}
+    # spans: verl.get_per_tensor_param took 137 ms around these two on 2 H200s (seventh session), 2.8 ms on the CPU
+    with trace.span("gather.state_dict"):
+        state = module.state_dict()
+    with trace.span("gather.rename"):
+        renamed: Dict[str, str] = {key: new for new, key in
+                                   convert_weight_keys({k: k for k in state},
+                                                       getattr(module, "_fsdp_wrapped_module", module)).items()}
     # plain (non-DTensor) entries stay where they are: _can_use admits only modules whose parameters are on the GPU
     full = layered_full_tensors(module, narrow_ok=lambda dtype: _ROLLOUT_DTYPE is not None and dtype == _ROLLOUT_DTYPE,
                                 state=state)
