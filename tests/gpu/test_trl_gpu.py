@@ -39,9 +39,9 @@ HERE = Path(__file__).resolve().parent
 TWO_GPU_DEADLINE_S = 280
 
 
-def _trainer(model_dir, out_dir, per_device_batch=4, tp=1):
+def _trainer(model_dir, out_dir, per_device_batch=4, tp=1, peft_config=None):
     """TRL's GRPOTrainer on SGLang for 2 steps of ``per_device_batch`` completions a rank (4 per prompt); ``tp``:
-    the engine's TP size (2 over 2 ranks: one engine for both, led by rank 0)."""
+    the engine's TP size (2 over 2 ranks: one engine for both, led by rank 0); ``peft_config``: a PEFT policy."""
     from trl import GRPOConfig
 
     from sgl_rollout.integrations.trl import SglGRPOTrainer
@@ -55,7 +55,7 @@ def _trainer(model_dir, out_dir, per_device_batch=4, tp=1):
                             **({"fast_sync": fast == "1"} if fast in ("0", "1") else {}))
     ds = datasets.Dataset.from_dict({"prompt": ["1+1=", "2+3=", "4+4=", "5+2=", "9+1=", "3+3=", "7+1=", "6+6="]})
     return SglGRPOTrainer(model=model_dir, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                          args=args, train_dataset=ds, rollout=rollout)
+                          args=args, train_dataset=ds, rollout=rollout, peft_config=peft_config)
 
 
 def _train_then_greedy(trainer, model_dir) -> dict:
@@ -88,6 +88,39 @@ def _train_then_greedy(trainer, model_dir) -> dict:
 def test_grpo_steps_on_sglang_then_greedy_equals_hugging_face_with_the_trainers_weights(tmp_path):
     model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)  # tiny Qwen2 + offline ChatML tokenizer
     _train_then_greedy(_trainer(model_dir, tmp_path / "out"), model_dir)
+
+
+def test_a_lora_policy_reaches_the_engine_merged_and_greedy_equals_peft_merge(tmp_path):
+    """A PEFT (LoRA) policy: 2 steps on SGLang, then an adapter that surely moves the weights (lora_B drawn
+    from N(0, 0.1)), a sync, and greedy on the engine == Hugging Face's greedy with PEFT's own merge of the
+    trainer's model (bf16). The CPU counterpart (``tests/test_trl_peft.py``) checks the merged tensors bit for
+    bit; this one checks that they land in a real engine under the base model's names. Written 2026-11-28
+    (seventh session) without a GPU run."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+
+    model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0,
+                           task_type="CAUSAL_LM")
+    trainer = _trainer(model_dir, tmp_path / "out", peft_config=lora)
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    try:
+        trainer.train()
+        assert trainer.state.global_step == 2
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        trainer.sgl.awake = False  # a sync of these weights whatever the engine holds
+        trainer.sgl.wake(trainer.state.global_step, trainer._trainer_weights)
+        got = engine_greedy(trainer.sgl.worker, prompts, 8)
+        merged = copy.deepcopy(model).merge_and_unload().to(torch.bfloat16).eval()
+        assert_greedy_equal(merged, prompts, got)
+    finally:
+        trainer.sgl.worker.shutdown()
 
 
 # ------------------------------------------------------------------------------------------- 2 GPUs
