@@ -3,8 +3,8 @@ training steps, then greedy output after the sync equals Hugging Face's with the
 GPU, and data parallel on two (``accelerate launch --multi_gpu --num_processes 2``, one engine per rank on
 that rank's GPU: the same check on each rank, with that rank's weights).
 
-The 1-GPU case passed on an H200 (docs/gpu-tests.md); the 2-GPU case was written 2026-11-29 without a GPU
-run. The CPU counterparts are ``tests/test_trl.py`` and ``tests/test_trl_dp.py``. Run as a script (what the
+The 1-GPU case passed on an H200 (docs/gpu-tests.md); the 2-GPU data-parallel case failed its first try
+(2026-11-28, seventh session; the launch log was lost with the machine) and TP=2 over 2 ranks has not run. The CPU counterparts are ``tests/test_trl.py`` and ``tests/test_trl_dp.py``. Run as a script (what the
 2-GPU case's ``accelerate launch`` starts), this file is one rank (``_rank_main``).
 """
 
