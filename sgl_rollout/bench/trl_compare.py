@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -348,8 +349,6 @@ def main(args: argparse.Namespace) -> int:
                       f"Hugging Face's with the trainer's weights, {greedy['tokens']} tokens each (largest gap where "
                       f"not: {greedy['max_gap']:.3f} logit units)"]
     print("\n".join(lines))
-    import shlex
-
     command = " ".join(["python -m sgl_rollout.bench trl", *(shlex.quote(a) for a in argv_tail(sys.argv, "trl"))])
     (out / "comparison.md").write_text(f"# bench trl\n\n- command: `{command}`\n- model: `{model_dir}`\n\n"
                                        + "\n".join(lines) + "\n")
