@@ -172,6 +172,16 @@ class RolloutConfig(BaseModel):
         max_loras: adapters one batch may use (SGLang ``max_loras_per_batch``); each takes a slot of
             GPU memory for ``lora_rank`` on every target module. Requests without an adapter count as
             one. 1 serves one policy adapter, as an RL rollout needs.
+        freeze_gc: once the engine has answered its first generate, freeze Python's garbage collector's
+            view of the heap in the engine's processes (SGLang's ``TokenizerManager.freeze_gc``,
+            ``sglang/srt/managers/tokenizer_manager.py``: ``gc.freeze()`` in the scheduler, the detokenizer
+            and the process that hosts the engine's tokenizer manager: verl's server actor, or the trainer's
+            process under TRL), so full collections skip every object alive then. On 4×H200 (verl 0.9.1,
+            1.1B at TP=2) something held the server actor's GIL 0.41-0.53 s at a time on both rollouts, most
+            likely full collections (not yet confirmed); where one fell in the request window the last
+            request reached SGLang 0.45-0.95 s after the first instead of about 0.3 s (docs/verl.md). Once
+            per start (again after a restart); skipped where SGLang has no ``freeze_gc``. False: SGLang's
+            default, nothing frozen.
         engine_kwargs: any other ``ServerArgs`` field, passed to ``sglang.Engine`` as is.
 
     Raises:
@@ -202,6 +212,7 @@ class RolloutConfig(BaseModel):
     lora_alpha: float = Field(16.0, gt=0)
     lora_target_modules: Union[str, List[str]] = "all-linear"
     max_loras: int = Field(1, ge=1, le=256)
+    freeze_gc: bool = True
     engine_kwargs: Dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("dtype")

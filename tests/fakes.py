@@ -82,6 +82,14 @@ class FakeTokenizerManager:
             return False, "injected load failure"
         return True, "Success"
 
+    async def freeze_gc(self):
+        """SGLang's: tells the scheduler to ``gc.freeze()`` and freezes this process (the double only counts,
+        in ``engine.gc_freezes``, apart from ``calls``; ``freeze_error`` makes it raise)."""
+        await self.engine._alive()
+        if self.engine.freeze_error is not None:
+            raise self.engine.freeze_error
+        self.engine.gc_freezes += 1
+
     async def flush_cache(self):
         await self.engine._alive()
         self.engine.calls.append(("flush_cache",))
@@ -193,6 +201,7 @@ class FakeSGLangEngine:
         self.entered = threading.Event()
         self.answer_delay_s = 0.0
         self.fail_next_update = False
+        self.gc_freezes, self.freeze_error = 0, None  # SGLang's freeze_gc calls (FakeTokenizerManager.freeze_gc)
         self.on_update = None
         self.mixed_weight_generates = 0
         # decode model (None: a generate answers at once, or when ``block`` is set, with all its tokens):

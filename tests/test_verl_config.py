@@ -183,6 +183,13 @@ def test_refusals_name_the_verl_key():
     assert cfg.fast_sync is False and not cfg.to_server_args().get("custom_weight_loader")
     with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout\.fast_sync='maybe': not a boolean"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=maybe")
+    # the garbage collector's freeze after the first generate: on by default, verl's config can turn it off
+    _, cfg = mapped()
+    assert cfg.freeze_gc is True
+    _, cfg = mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.freeze_gc=false")
+    assert cfg.freeze_gc is False and "freeze_gc" not in cfg.to_server_args()  # ours, not a ServerArgs field
+    with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout\.freeze_gc='later': not a boolean"):
+        mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.freeze_gc=later")
     # an unknown key of ours is refused with the keys there are, not silently ignored
     with pytest.raises(UnsupportedVerlFeature, match=r"engine_kwargs\.sgl_rollout\.fast_synk.*one of fast_sync"):
         mapped("+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_synk=true")

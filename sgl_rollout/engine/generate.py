@@ -51,8 +51,32 @@ class GenerateCalls:
 
     A generate whose caller is interrupted or cancelled is aborted in SGLang by request id and stays
     counted (:class:`~sgl_rollout.memory.MemoryState`) until SGLang has ended it, so a release cannot
-    trip the scheduler's idle assertion.
+    trip the scheduler's idle assertion. The first generate SGLang answers after each start sends its
+    ``freeze_gc`` (``RolloutConfig.freeze_gc``).
     """
+
+    def _on_start(self: EngineCore) -> None:
+        super()._on_start()
+        self._gc_freeze_due = bool(self.config.freeze_gc)
+
+    def _freeze_gc_once(self: EngineCore, exc: Optional[BaseException]) -> None:
+        """After the first generate SGLang answered since this start: ask SGLang to freeze the GC of its
+        processes and of the one hosting its tokenizer manager (``RolloutConfig.freeze_gc``), without
+        waiting. Never raises: it runs in the generate's done-callback, and a freeze that fails or is
+        missing (an SGLang without ``freeze_gc``) only costs the longer collections."""
+        if exc is not None or not getattr(self, "_gc_freeze_due", False):
+            return
+        self._gc_freeze_due = False
+        try:
+            freeze = getattr(self._tm(), "freeze_gc", None)
+            if freeze is None:
+                logger.info("this SGLang has no freeze_gc: the garbage collector stays as it is")
+                return
+            fut = self._submit(freeze)
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or logger.warning(
+                "SGLang's freeze_gc failed (nothing else changes): %r", f.exception()))
+        except Exception as e:  # noqa: BLE001 - a dead engine or a missing manager: the generate's own path reports it
+            logger.warning("SGLang's freeze_gc not sent: %r", e)
 
     @functools.cached_property
     def vocab_size(self: EngineCore) -> Optional[int]:
@@ -81,7 +105,7 @@ class GenerateCalls:
                     sent = self._submit(
                         lambda: self._engine.async_generate(input_ids=batch, sampling_params=dict(sampling_params or {}),
                                                             return_logprob=return_logprob, rid=rids, **extra),
-                        lambda _exc: self.state.request_done(),
+                        lambda exc: (self.state.request_done(), self._freeze_gc_once(exc)),
                     )
                 except BaseException:
                     self.state.request_done()

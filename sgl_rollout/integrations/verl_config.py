@@ -36,8 +36,8 @@ Mapped (verl's semantics):
 
 This package's own settings sit under ``engine_kwargs.sgl_rollout`` (:data:`SGL_ROLLOUT_KWARGS`):
 ``fast_sync`` (``RolloutConfig.fast_sync``, on by default: weight syncs on the copy-plan fast path,
-each trainer worker sending its own TP rank's shard; ``SglRollout._send_fast``). Any other key
-there is refused.
+each trainer worker sending its own TP rank's shard; ``SglRollout._send_fast``) and ``freeze_gc``
+(``RolloutConfig.freeze_gc``, on by default). Any other key there is refused.
 
 What the replica and the adapter build from it: :func:`rollout_config_for_verl` (the mapping above
 plus LoRA served as an adapter, :func:`verl_lora_settings`: level-1 sleep, as verl's own SGLang
@@ -71,6 +71,8 @@ VERL_ADAPTER_NAME = "verl_policy"
 SGL_ROLLOUT_KWARGS = {
     "fast_sync": "bool, default true: weight syncs through the copy-plan fast path (false: SGLang's flattened buckets) "
                  "(RolloutConfig.fast_sync, README 'Fast-path weight sync')",
+    "freeze_gc": "bool, default true: after the engine's first generate, SGLang's freeze_gc in the server actor and "
+                 "the engine's processes, so full garbage collections skip the warm heap (RolloutConfig.freeze_gc)",
 }
 
 #: ``engine_kwargs.sglang`` keys that verl lets override its own choice -> RolloutConfig field.
@@ -293,15 +295,17 @@ def _fast_sync_setting(ours) -> Optional[bool]:
 
 
 def _map_sgl_rollout_kwargs(cfg, kwargs: dict, prefix: str) -> List[str]:
-    """Set ``kwargs["fast_sync"]`` from ``engine_kwargs.sgl_rollout.fast_sync`` when given; return the
-    refusal line of a non-boolean value (empty list otherwise)."""
+    """Set ``kwargs[key]`` from ``engine_kwargs.sgl_rollout.<key>`` for each key of :data:`SGL_ROLLOUT_KWARGS`
+    given (each a RolloutConfig boolean, read as pydantic reads it); return the refusal line of each
+    non-boolean value (empty list otherwise)."""
     bad: List[str] = []
     ours = _get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {}
-    if "fast_sync" in ours:
-        try:
-            kwargs["fast_sync"] = TypeAdapter(bool).validate_python(ours["fast_sync"])
-        except ValidationError:
-            bad.append(f"{prefix}.engine_kwargs.sgl_rollout.fast_sync={ours['fast_sync']!r}: not a boolean")
+    for key in SGL_ROLLOUT_KWARGS:
+        if key in ours:
+            try:
+                kwargs[key] = TypeAdapter(bool).validate_python(ours[key])
+            except ValidationError:
+                bad.append(f"{prefix}.engine_kwargs.sgl_rollout.{key}={ours[key]!r}: not a boolean")
     return bad
 
 
