@@ -181,7 +181,9 @@ class RolloutConfig(BaseModel):
             likely full collections (not yet confirmed); where one fell in the request window the last
             request reached SGLang 0.45-0.95 s after the first instead of about 0.3 s (docs/verl.md). Once
             per start (again after a restart); skipped where SGLang has no ``freeze_gc``. False: SGLang's
-            default, nothing frozen.
+            default, nothing frozen in SGLang's processes. (The in-process :class:`~sgl_rollout.worker.RolloutWorker`
+            also freezes its own process at start and after its first sync, whatever this says:
+            :func:`sgl_rollout.memory.freeze_long_lived`, which collects first.)
         engine_kwargs: any other ``ServerArgs`` field, passed to ``sglang.Engine`` as is.
 
     Raises:
