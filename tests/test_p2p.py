@@ -229,6 +229,7 @@ def test_finalize_hands_the_syncs_cached_blocks_back_on_every_side_and_keeps_the
     memory.release_cached_blocks()
     assert len(emptied) == len(v.engines)
 
+
 def test_finalize_empties_the_cache_only_when_the_sync_grew_it(monkeypatch):
     """``prepare`` notes torch's reserved bytes; ``finalize`` empties the cache only when they grew since.
     After a training step the cache is most of the GPU and emptying it cost the trainer 210-250 ms a sync

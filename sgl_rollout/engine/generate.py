@@ -3,6 +3,7 @@ their caller stops waiting."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import logging
 import uuid
@@ -72,9 +73,11 @@ class GenerateCalls:
             if freeze is None:
                 logger.info("this SGLang has no freeze_gc: the garbage collector stays as it is")
                 return
-            fut = self._submit(freeze)
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None or logger.warning(
-                "SGLang's freeze_gc failed (nothing else changes): %r", f.exception()))
+            def report(f: concurrent.futures.Future) -> None:
+                if not f.cancelled() and f.exception() is not None:
+                    logger.warning("SGLang's freeze_gc failed (nothing else changes): %r", f.exception())
+
+            self._submit(freeze).add_done_callback(report)
         except Exception as e:  # noqa: BLE001 - a dead engine or a missing manager: the generate's own path reports it
             logger.warning("SGLang's freeze_gc not sent: %r", e)
 

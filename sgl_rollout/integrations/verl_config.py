@@ -199,7 +199,7 @@ def check_verl_features(cfg, model_config=None, prefix: str = ROLLOUT_PREFIX) ->
                "delta weight syncs (wire_format='delta_flush') need verl's custom SGLang weight loader",
                f"backend=naive or nccl/nixl (full weights), or {VERL_BUILTIN}")
     ours = dict(_get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {})
-    if backend == "sgl_rollout" and (_fast_sync_setting(ours) is False or _get(cfg, "quantization", None) == "fp8"):
+    if backend == "sgl_rollout" and (_sgl_rollout_setting(ours, "fast_sync") is False or _get(cfg, "quantization", None) == "fp8"):
         refuse(f"{prefix}.checkpoint_engine.backend", backend,
                "it sends the fast path's copy-plan buckets, so it needs engine_kwargs.sgl_rollout.fast_sync=True "
                "and unquantized weights", "backend=nccl, or fast_sync=True without quantization")
@@ -282,30 +282,31 @@ def _map_sglang_kwargs(engine_kwargs: dict, kwargs: dict, prefix: str) -> List[s
     return bad
 
 
-def _fast_sync_setting(ours) -> Optional[bool]:
-    """``engine_kwargs.sgl_rollout.fast_sync`` read as the engine reads it (pydantic's ``bool``: ``"no"``,
+def _sgl_rollout_setting(ours, key: str) -> Optional[bool]:
+    """``engine_kwargs.sgl_rollout.<key>`` read as the engine reads it (pydantic's ``bool``: ``"no"``,
     ``"false"``, ``"off"``, ``0`` are False, as a truth test would not have them); None when absent or not a
     boolean (:func:`_map_sgl_rollout_kwargs` refuses the latter)."""
-    if "fast_sync" not in ours:
+    if key not in ours:
         return None
     try:
-        return TypeAdapter(bool).validate_python(ours["fast_sync"])
+        return TypeAdapter(bool).validate_python(ours[key])
     except ValidationError:
         return None
 
 
 def _map_sgl_rollout_kwargs(cfg, kwargs: dict, prefix: str) -> List[str]:
     """Set ``kwargs[key]`` from ``engine_kwargs.sgl_rollout.<key>`` for each key of :data:`SGL_ROLLOUT_KWARGS`
-    given (each a RolloutConfig boolean, read as pydantic reads it); return the refusal line of each
+    given (each a RolloutConfig boolean, :func:`_sgl_rollout_setting`); return the refusal line of each
     non-boolean value (empty list otherwise)."""
     bad: List[str] = []
     ours = _get(_get(cfg, "engine_kwargs", None) or {}, "sgl_rollout", None) or {}
     for key in SGL_ROLLOUT_KWARGS:
         if key in ours:
-            try:
-                kwargs[key] = TypeAdapter(bool).validate_python(ours[key])
-            except ValidationError:
+            value = _sgl_rollout_setting(ours, key)
+            if value is None:
                 bad.append(f"{prefix}.engine_kwargs.sgl_rollout.{key}={ours[key]!r}: not a boolean")
+            else:
+                kwargs[key] = value
     return bad
 
 

@@ -321,8 +321,12 @@ class FastPathSender:
         self._tick("gather.alloc", t_alloc)
         prog.steps.gather(b, feed, bufs, lambda s, r, step, srcs: self._mem.dsts(served[r], s, bufs[r], step, srcs),
                           self.gather, self._tick)
-        return [(dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), bufs[r]) if r in bufs
-                else (dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None) for i, r in enumerate(self.tp_ranks)]
+        return [(self._copy_header(i, b), bufs[r]) if r in bufs else (self._copy_header(i, -1), None)
+                for i, r in enumerate(self.tp_ranks)]
+
+    def _copy_header(self, i: int, b: int) -> dict:
+        """Op ``copy``'s header for served rank ``i`` and plan bucket ``b`` (-1: nothing for this rank)."""
+        return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b)
 
     def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
                      ) -> Tuple[dict, Optional[torch.Tensor]]:
@@ -330,13 +334,13 @@ class FastPathSender:
         having filled the buffer (timed as ``gather.copy``); a no-op for a rank whose plan has fewer buckets."""
         prog = self.plan.program
         if b >= len(prog.ops[r]):
-            return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=-1), None
+            return self._copy_header(i, -1), None
         t_alloc = time.perf_counter()
         buf = self._mem.buffer(i, prog.buffer_bytes[r])
         t_copy = self._tick("gather.alloc", t_alloc)
         write(buf)
         self._tick("gather.copy", t_copy)
-        return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b), buf
+        return self._copy_header(i, b), buf
 
     def _send_plan(self, named_tensors, validator) -> SyncStats:
         """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
