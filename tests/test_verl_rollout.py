@@ -15,6 +15,7 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -98,6 +99,10 @@ class FakeServer(VerlRolloutServer):
 
     async def last_lora_path(self):
         return self._engine._engine.last_lora_path
+
+    async def running_rids(self):
+        """The request ids the double is generating now (SGLang's running batch)."""
+        return sorted(self._engine._engine.running)
 
 
 class Replica(SglRolloutReplica):
@@ -308,6 +313,12 @@ def test_partial_rollout_pause(manager):
     replica, server = manager.get_replicas()[1], manager.server_handles[1]
     ray.get(server.block_generation.remote(True))
     running = server.generate.remote([1], {"max_tokens": 2}, request_id="p0")
+    # the abort must find p0 running: one sent before p0 is admitted holds p0 behind the pause instead
+    # (the engine names requests itself, so p0 is the one request it runs)
+    deadline = time.monotonic() + 30
+    while not ray.get(server.running_rids.remote()):
+        assert time.monotonic() < deadline, "p0 never reached the engine"
+        time.sleep(0.01)
     asyncio.run(replica.abort_all_requests())
     assert ray.get(running, timeout=30).stop_reason == "abort"
     ray.get(server.block_generation.remote(False))
