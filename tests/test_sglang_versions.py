@@ -57,7 +57,7 @@ def test_the_newest_release_breaks_the_weight_sync_lora_and_server_args_and_is_r
 
 def test_the_checker_reports_a_touch_point_a_release_drops(tmp_path):
     """A copy of the installed source with ``Engine.async_generate`` losing ``image_data`` and
-    ``FlattenedTensorMetadata`` losing a field: both are reported."""
+    ``FlattenedTensorMetadata`` losing a field and ``SamplingParams`` renaming one: each is reported."""
     src = _installed_root() / "sglang"
     dst = tmp_path / "sglang"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.so", "__pycache__", "*.pyc", "*.json", "*.cu*"))
@@ -65,7 +65,10 @@ def test_the_checker_reports_a_touch_point_a_release_drops(tmp_path):
     engine.write_text(engine.read_text().replace("image_data", "images_data"))
     bucket = dst / "srt" / "weight_sync" / "tensor_bucket.py"
     bucket.write_text(bucket.read_text().replace("    numel: int", "    count: int", 1))
+    sampling = dst / "srt" / "sampling" / "sampling_params.py"
+    sampling.write_text(sampling.read_text().replace("sampling_seed", "seed"))
     problems = sglang_api.check_source(tmp_path)
+    assert any("SamplingParams takes no ['sampling_seed']" in p for p in problems), problems
     assert any("Engine.async_generate takes no ['image_data']" in p for p in problems), problems
     assert any("FlattenedTensorMetadata fields are" in p for p in problems), problems
 

@@ -133,9 +133,12 @@ def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_p
         sgl_trl.SglGRPOTrainer  # noqa: B018 - the import a script makes
     from types import SimpleNamespace
 
-    def built(ds=False, fsdp=False, procs=1, tools=None):
+    def built(ds=False, fsdp=False, procs=1, tools=None, generation_kwargs=None):
         return SimpleNamespace(is_deepspeed_enabled=ds, is_fsdp_enabled=fsdp, tools=tools,
-                               accelerator=SimpleNamespace(num_processes=procs))
+                               accelerator=SimpleNamespace(num_processes=procs), max_completion_length=8,
+                               temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0,
+                               eos_token_ids=[2], args=SimpleNamespace(generation_kwargs=generation_kwargs,
+                                                                       vllm_structured_outputs_regex=None))
 
     from sgl_rollout.config import RolloutConfig
 
@@ -152,6 +155,13 @@ def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_p
     pinned = RolloutConfig(model_path=model_dir, engine_kwargs={"base_gpu_id": 1})
     assert "['base_gpu_id']" in sgl_trl._refusal_after_init(built(procs=2), pinned)
     assert sgl_trl._refusal_after_init(built(procs=1), pinned) is None
+    # generation_kwargs SGLang cannot take are refused at start-up, in one line naming the key
+    beams = sgl_trl._refusal_after_init(built(generation_kwargs={"num_beams": 4}))
+    assert "['num_beams']" in beams and "\n" not in beams
+    seeded = built(generation_kwargs={"seed": 3})
+    assert "enable_deterministic_inference" in sgl_trl._refusal_after_init(seeded, RolloutConfig(model_path=model_dir))
+    assert sgl_trl._refusal_after_init(seeded, RolloutConfig(
+        model_path=model_dir, engine_kwargs={"enable_deterministic_inference": True})) is None
 
 
 def test_sampling_params_follow_trls_generation_settings():
@@ -163,6 +173,66 @@ def test_sampling_params_follow_trls_generation_settings():
                                              "min_p": 0.0, "repetition_penalty": 1.1, "stop_token_ids": [2, 7]}
     t.top_k = 20
     assert sgl_trl.sampling_params_of(t)["top_k"] == 20
+    # TRL's vLLM mode lays generation_kwargs over those (vLLM's names or SGLang's); the regex flag wins
+    t.args = SimpleNamespace(generation_kwargs={"max_tokens": 4, "temperature": 0.2, "stop": ["\n\n"], "seed": 5,
+                                                "stop_token_ids": [7, 9], "presence_penalty": 0.5, "n": 1,
+                                                "structured_outputs": {"json": {"type": "object"}}},
+                             vllm_structured_outputs_regex=None)
+    p = sgl_trl.sampling_params_of(t)
+    assert p == {"max_new_tokens": 4, "temperature": 0.2, "top_p": 0.9, "top_k": 20, "min_p": 0.0,
+                 "repetition_penalty": 1.1, "stop": ["\n\n"], "sampling_seed": 5, "presence_penalty": 0.5,
+                 "json_schema": '{"type": "object"}', "stop_token_ids": [2, 7, 9]}
+    t.args.vllm_structured_outputs_regex = "(yes|no)"
+    p = sgl_trl.sampling_params_of(t)
+    assert p["regex"] == "(yes|no)" and "json_schema" not in p
+    t.args = SimpleNamespace(generation_kwargs='{"min_tokens": 2}', vllm_structured_outputs_regex=None)  # TRL's CLI
+    assert sgl_trl.sampling_params_of(t)["min_new_tokens"] == 2
+
+
+def test_the_real_trainer_sends_its_generation_kwargs_and_refuses_one_sglang_lacks(model_dir, tmp_path):
+    """TRL's GRPOConfig.generation_kwargs, in vLLM's names as a vLLM-colocate script sets them, reach the engine
+    as SGLang's; a transformers-only key stops the trainer's construction, before an engine starts."""
+    class Recording(WorkerDouble):
+        def generate(self, input_ids, sampling_params, n=1, return_logprob=True):
+            self.params = dict(sampling_params)
+            return super().generate(input_ids, sampling_params, n=n, return_logprob=return_logprob)
+
+    worker = Recording(model_dir)
+    trainer = _trainer(model_dir, tmp_path, worker, max_steps=1, generation_kwargs={
+        "stop": ["\n"], "presence_penalty": 0.3, "min_tokens": 1, "structured_outputs": {"regex": "[0-9]+"}})
+    trainer.train()
+    assert {k: worker.params[k] for k in ("stop", "presence_penalty", "min_new_tokens", "regex", "max_new_tokens")} == {
+        "stop": ["\n"], "presence_penalty": 0.3, "min_new_tokens": 1, "regex": "[0-9]+", "max_new_tokens": 4}
+    with pytest.raises(ValueError, match=r"generation_kwargs \['num_beams'\]"):
+        _trainer(model_dir, tmp_path, WorkerDouble(model_dir), generation_kwargs={"num_beams": 2})
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    ({"num_beams": 2, "suppress_tokens": [3]}, "['num_beams', 'suppress_tokens']"),
+    ({"n": 4}, "n=1"),
+    ({"logprobs": 5}, "logprobs=None"),
+    ({"max_tokens": 4, "max_new_tokens": 8}, "['max_new_tokens'] twice"),
+    ({"structured_outputs": {"regex": "a", "json": "{}"}}, "one grammar"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "['choice']"),
+    ({"regex": "a", "ebnf": "root ::= 'a'"}, "['ebnf', 'regex']"),
+])
+def test_generation_kwargs_sglang_cannot_take_are_refused_naming_the_key(kwargs, said):
+    from sgl_rollout.integrations.trl_sampling import translate_generation_kwargs
+
+    with pytest.raises(ValueError) as e:
+        translate_generation_kwargs(kwargs)
+    assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_sglang_name_the_translation_sends_is_a_checked_touch_point():
+    """The names :mod:`trl_sampling` sends are all in ``sglang_api.SAMPLING_PARAMS``, which
+    test_sglang_versions checks against each supported release's ``SamplingParams``."""
+    from sgl_rollout.engine.sglang_api import SAMPLING_PARAMS
+    from sgl_rollout.integrations import trl_sampling
+
+    sent = set(trl_sampling.SGLANG_NAMES) | set(trl_sampling.VLLM_TO_SGLANG.values()) | set(
+        trl_sampling.STRUCTURED_TO_SGLANG.values())
+    assert sent <= set(SAMPLING_PARAMS), sorted(sent - set(SAMPLING_PARAMS))
 
 
 def test_the_extra_names_the_range_the_trainer_accepts():

@@ -45,6 +45,13 @@ SERVER_ARGS = ("model_path", "dtype", "tp_size", "mem_fraction_static", "enable_
                "max_loras_per_batch", "custom_weight_loader", "custom_sigquit_handler", "nnodes", "node_rank",
                "dist_init_addr", "nccl_port", "port", "base_gpu_id", "gpu_id_step", "skip_tokenizer_init",
                "log_level")
+#: ``SamplingParams.__init__`` parameters (``sglang/srt/sampling/sampling_params.py``) this package sends or lets
+#: a caller send: engine/generate.py, integrations/verl_server.py, and TRL's ``generation_kwargs``
+#: (integrations/trl_sampling.py).
+SAMPLING_PARAMS = ("max_new_tokens", "min_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p",
+                   "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos",
+                   "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "logit_bias",
+                   "sampling_seed", "regex", "json_schema", "ebnf", "structural_tag")
 #: Environment variables this package sets or reads (patches/tp_memory_imbalance.py, memory tags, logprobs).
 ENV_VARS = ("SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK", "SGLANG_MEMORY_SAVER_CUDA_GRAPH")
 #: Memory tags (``sglang/srt/constants.py``) by constant, as this package names them (memory.py).
@@ -200,6 +207,16 @@ def _check_weight_loading(t: _Tree) -> List[str]:
     return problems
 
 
+def _check_sampling_params(t: _Tree) -> List[str]:
+    rel = "sglang/srt/sampling/sampling_params.py"
+    cls = _classes(t.module(rel)).get("SamplingParams")
+    init = None if cls is None else _methods(cls).get("__init__")
+    if init is None:
+        return [f"{rel}: no SamplingParams.__init__"]
+    missing = [p for p in SAMPLING_PARAMS if p not in _params(init)]
+    return [f"{rel}: SamplingParams takes no {missing}"] if missing else []
+
+
 def _check_env_and_tags(t: _Tree) -> List[str]:
     problems = []
     environ = t.text("sglang/srt/environ.py")
@@ -215,7 +232,7 @@ def _check_env_and_tags(t: _Tree) -> List[str]:
 
 
 CHECKS = (_check_engine, _check_tokenizer_manager, _check_requests, _check_server_args, _check_weight_loading,
-          _check_env_and_tags)
+          _check_sampling_params, _check_env_and_tags)
 
 
 def check_source(root, checks: Sequence = CHECKS) -> List[str]:

@@ -51,6 +51,9 @@ computed out of place (:mod:`.trl_peft`); TRL's tool-call loop (``tools=[...]``)
 engine stays awake through it and sleeps once after; images (a vision-language model such as Qwen2.5-VL)
 reach the engine with their prompts.
 
+``GRPOConfig.generation_kwargs`` and ``vllm_structured_outputs_regex`` apply as in TRL's vLLM colocate mode,
+in vLLM's names or SGLang's (:mod:`.trl_sampling`); a key SGLang has no equal for is refused at start-up.
+
 Not yet served (each refused in one line, at start-up or at the call): TRL's ``use_vllm``, models under
 DeepSpeed ZeRO-3 or FSDP (their parameters must be gathered first), LoRA variants such as DoRA, tools with TP
 groups (their ranks run the tool loop a different number of times).
@@ -65,7 +68,7 @@ on SDPA); those, TP=2 over 2 ranks and the LoRA case are not yet run again (docs
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -73,6 +76,7 @@ from packaging.version import InvalidVersion, Version
 from .trl_peft import _lora_variant, merged_adapter_weights, policy_weights
 from .trl_ranks import (PER_RANK_SERVER_ARGS, RankFailedError, TPGroupRanks, _tensor_parallel_size, agreed,
                         rank_rollout_config)
+from .trl_sampling import sampling_params_of
 
 logger = logging.getLogger(__name__)
 
@@ -122,20 +126,6 @@ def _trainer_base():
     return GRPOTrainer
 
 
-def sampling_params_of(trainer) -> Dict[str, Any]:
-    """SGLang sampling parameters equal to the ones TRL's own generation uses (``GRPOTrainer.__init__``'s
-    ``generation_kwargs``): ``max_new_tokens`` = ``max_completion_length``, ``temperature``, ``top_p``,
-    ``top_k`` (None or 0: off, SGLang's -1), ``min_p`` (None: 0), ``repetition_penalty``, and the trainer's
-    end-of-sequence ids as ``stop_token_ids``."""
-    params = {"max_new_tokens": int(trainer.max_completion_length), "temperature": float(trainer.temperature),
-              "top_p": float(trainer.top_p), "top_k": int(trainer.top_k) if trainer.top_k else -1,
-              "min_p": float(trainer.min_p or 0.0), "repetition_penalty": float(trainer.repetition_penalty or 1.0)}
-    eos = [int(t) for t in (trainer.eos_token_ids or [])]
-    if eos:
-        params["stop_token_ids"] = eos
-    return params
-
-
 def _refusal(args, model) -> Optional[str]:
     """Why this trainer cannot serve ``args`` / ``model`` yet (None: it can)."""
     if getattr(args, "use_vllm", False):
@@ -145,10 +135,21 @@ def _refusal(args, model) -> Optional[str]:
 
 def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
     """Why a built trainer cannot be served yet (None: it can): sharded parameters, a LoRA variant (DoRA, ...),
-    TP groups that do not divide the processes or with tools, or per-rank SGLang settings given once for all
-    ranks (:data:`PER_RANK_SERVER_ARGS`)."""
+    TP groups that do not divide the processes or with tools, per-rank SGLang settings given once for all
+    ranks (:data:`PER_RANK_SERVER_ARGS`), or ``generation_kwargs`` SGLang cannot take
+    (:func:`~.trl_sampling.sampling_params_of`; a ``seed`` needs ``enable_deterministic_inference``)."""
     from ..config import RolloutConfig
 
+    try:
+        params = sampling_params_of(trainer)
+    except ValueError as e:
+        return str(e)
+    config = rollout if isinstance(rollout, RolloutConfig) else getattr(rollout, "config", None)
+    if "sampling_seed" in params and not (getattr(config, "engine_kwargs", None) or {}).get(
+            "enable_deterministic_inference"):
+        return ("generation_kwargs sets a seed, which SGLang applies only with enable_deterministic_inference "
+                "(sglang/srt/sampling/sampling_batch_info.py): add engine_kwargs={'enable_deterministic_inference': "
+                "True} to the RolloutConfig, or leave the seed out")
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         return "DeepSpeed or FSDP: SglGRPOTrainer gathers no sharded parameters yet"
     model = getattr(trainer, "model", None)

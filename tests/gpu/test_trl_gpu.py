@@ -3,7 +3,8 @@ training steps, then greedy output after the sync equals Hugging Face's with the
 GPU, and data parallel on two (``accelerate launch --multi_gpu --num_processes 2``, one engine per rank on
 that rank's GPU: the same check on each rank, with that rank's weights).
 
-The 1-GPU case passed on an H200 (docs/gpu-tests.md); the 2-GPU data-parallel case failed its first try
+TRL's tool loop runs on the engine with a regex-forced tool call (a random model calls no tool of its own). The
+1-GPU case passed on an H200 (docs/gpu-tests.md); the 2-GPU data-parallel case failed its first try
 (2026-11-28, seventh session; the launch log was lost with the machine) and TP=2 over 2 ranks has not run. The CPU counterparts are ``tests/test_trl.py`` and ``tests/test_trl_dp.py``. Run as a script (what the
 2-GPU case's ``accelerate launch`` starts), this file is one rank (``_rank_main``).
 """
@@ -119,6 +120,66 @@ def test_a_lora_policy_reaches_the_engine_merged_and_greedy_equals_peft_merge(tm
         got = engine_greedy(trainer.sgl.worker, prompts, 8)
         merged = copy.deepcopy(model).merge_and_unload().to(torch.bfloat16).eval()
         assert_greedy_equal(merged, prompts, got)
+    finally:
+        trainer.sgl.worker.shutdown()
+
+
+#: The tool call forced on every turn (a regex through GRPOConfig.generation_kwargs, SGLang's grammar backend):
+#: a random model emits no tool call of its own. Spelled in bytes, as the grammar cannot emit special tokens.
+TOOL_CALL_REGEX = r'<tool_call>\n\{"name": "add", "arguments": \{"a": 2, "b": 3\}\}\n</tool_call>'
+
+
+def test_trls_tool_loop_runs_on_the_engine_with_a_regex_forced_tool_call(tmp_path):
+    """TRL's tool-call loop on a real engine: ``generation_kwargs={"structured_outputs": {"regex": ...}}`` (vLLM's
+    name, as a vLLM-colocate script sets it) reaches SGLang as ``regex`` and makes the random model call ``add``;
+    TRL parses the call, runs the tool, and asks the engine again with the tool's result in the prompt. Written
+    2026-11-28 (eighth session) without a GPU run; the CPU counterpart is ``tests/test_trl_tools.py``."""
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig
+    from test_trl_tools import add  # the CPU test's tool (tests/ is on sys.path under pytest)
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    from sgl_rollout.integrations.trl import SglGRPOTrainer
+
+    model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = qwen2_5_chat_template  # one TRL parses tool calls from (add_response_schema)
+    tok.save_pretrained(model_dir)
+    seen = []
+
+    def reward(completions, **kwargs):
+        seen.extend(completions)
+        return [float(any(m["role"] == "tool" for m in c)) for c in completions]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=200, max_steps=2, report_to="none", logging_steps=1, save_strategy="no",
+                      bf16=True, gradient_checkpointing=False, beta=0.0, learning_rate=1e-3,
+                      max_tool_calling_iterations=1, generation_kwargs={"structured_outputs": {"regex": TOOL_CALL_REGEX}})
+    rollout = RolloutConfig(model_path=model_dir, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True,
+                            engine_kwargs=gpu_engine_flags())
+    ds = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in
+                                                ("What is 2+3?", "Add 2 and 3.", "2 plus 3?", "Sum of 2, 3?")]})
+    trainer = SglGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=ds, tools=[add],
+                             rollout=rollout)
+    prompts = []
+    generate = trainer.sgl.worker.generate
+
+    def recorded(ids, params, n=1, **kw):
+        prompts.extend(tok.decode(p) for p in ids)
+        assert params["regex"] == TOOL_CALL_REGEX
+        return generate(ids, params, n=n, **kw)
+
+    trainer.sgl.worker.generate = recorded
+    try:
+        trainer.train()
+        assert trainer.state.global_step == 2
+        followups = [p for p in prompts if "<tool_response>" in p]
+        assert len(followups) == 8 and all("<tool_response>\n5\n</tool_response>" in p for p in followups), prompts[-1]
+        assert len(seen) == 8
+        for messages in seen:  # the call, TRL's run of the tool, then the (again forced) call TRL no longer runs
+            assert [m["role"] for m in messages][:2] == ["assistant", "tool"], messages
+            assert messages[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
+            assert messages[1]["content"] == "5"
     finally:
         trainer.sgl.worker.shutdown()
 
