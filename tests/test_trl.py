@@ -264,3 +264,21 @@ def test_images_reach_the_engine_with_their_prompts(model_dir, tmp_path):
     assert len(ids) == 3 and [len(x) for x in ids] == [len(x) for x in logprobs]
     trainer._generate_single_turn(prompts, [None, None, None], None, 1)
     assert worker.images is None
+
+
+def test_the_readmes_example_script_trains_on_the_engine(model_dir, tmp_path):
+    """``examples/trl/train_grpo.py`` (the README's TRL script) as a user runs it, with the engine double for
+    SGLang: 2 steps, each a sync of the trainer's weights, the step's generation and the engine's sleep."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "trl" / "train_grpo.py"
+    spec = importlib.util.spec_from_file_location("train_grpo", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    worker = WorkerDouble(model_dir)
+    trainer = script.main(["--model", model_dir, "--steps", "2", "--batch", "4", "--num-generations", "2",
+                           "--max-completion-length", "4", "--out", str(tmp_path)], rollout=worker)
+    assert trainer.state.global_step == 2
+    assert worker.events == ["sync", "generate", "sleep"] * 2 and len(worker.generated) == 8
+    assert any("rewards/problem_reward/mean" in h for h in trainer.state.log_history)

@@ -62,7 +62,8 @@ Ran on the CPU with an engine double (``tests/test_trl.py``, ``test_trl_tools.py
 ``tests/test_trl_dp.py``: 2 processes over gloo, data parallel and one TP group); on GPUs
 ``tests/gpu/test_trl_gpu.py``: 1 GPU passed on an H200 (again at c3b72dc); the data-parallel 2-GPU case failed
 its first try (its log was lost), the image case's engine died on FA3 vision attention the GPU host lacks (now
-on SDPA); those, TP=2 over 2 ranks and the LoRA case are not yet run again (docs/gpu-tests.md).
+on SDPA); those, TP=2 over 2 ranks, the LoRA case and the tool loop (a regex-forced tool call) are not yet run
+(docs/gpu-tests.md).
 """
 
 from __future__ import annotations
