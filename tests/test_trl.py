@@ -225,13 +225,12 @@ def test_generation_kwargs_sglang_cannot_take_are_refused_naming_the_key(kwargs,
 
 
 def test_every_sglang_name_the_translation_sends_is_a_checked_touch_point():
-    """The names :mod:`trl_sampling` sends are all in ``sglang_api.SAMPLING_PARAMS``, which
+    """The names :mod:`trl_sampling` translates to are all in ``sglang_api.SAMPLING_PARAMS``, which
     test_sglang_versions checks against each supported release's ``SamplingParams``."""
     from sgl_rollout.engine.sglang_api import SAMPLING_PARAMS
     from sgl_rollout.integrations import trl_sampling
 
-    sent = set(trl_sampling.SGLANG_NAMES) | set(trl_sampling.VLLM_TO_SGLANG.values()) | set(
-        trl_sampling.STRUCTURED_TO_SGLANG.values())
+    sent = set(trl_sampling.VLLM_TO_SGLANG.values()) | set(trl_sampling.STRUCTURED_TO_SGLANG.values())
     assert sent <= set(SAMPLING_PARAMS), sorted(sent - set(SAMPLING_PARAMS))
 
 
@@ -282,3 +281,22 @@ def test_the_readmes_example_script_trains_on_the_engine(model_dir, tmp_path):
     assert trainer.state.global_step == 2
     assert worker.events == ["sync", "generate", "sleep"] * 2 and len(worker.generated) == 8
     assert any("rewards/problem_reward/mean" in h for h in trainer.state.log_history)
+
+
+def test_shutdown_stops_a_running_engine_and_never_starts_one(model_dir):
+    from sgl_rollout.config import RolloutConfig
+
+    unused = sgl_trl._SglGeneration(RolloutConfig(model_path=model_dir))
+    unused.shutdown()  # the engine was never started: nothing is started to be shut down
+    assert isinstance(unused._rollout, RolloutConfig)
+
+    class Stoppable(WorkerDouble):
+        stopped = 0
+
+        def shutdown(self):
+            self.stopped += 1
+
+    worker = Stoppable(model_dir)
+    sgl_trl._SglGeneration(worker).shutdown()
+    assert worker.stopped == 1
+    sgl_trl._SglGeneration(WorkerDouble(model_dir)).shutdown()  # a double without shutdown: nothing to call

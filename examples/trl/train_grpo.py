@@ -55,9 +55,7 @@ def main(argv=None, rollout=None) -> SglGRPOTrainer:
     try:
         trainer.train()
     finally:
-        worker = trainer.sgl.worker
-        if worker is not None and hasattr(worker, "shutdown"):
-            worker.shutdown()
+        trainer.sgl.shutdown()  # this rank's engine, if it started one
     return trainer
 
 

@@ -198,6 +198,15 @@ class _SglGeneration:
             self._rollout = RolloutWorker(self._rollout)
         return self._rollout
 
+    def shutdown(self) -> None:
+        """Shut this rank's engine down if it runs: nothing when the worker was never made (a
+        ``RolloutConfig`` not used yet, a TP group's member) or has no ``shutdown`` (a double)."""
+        from ..config import RolloutConfig
+
+        stop = None if isinstance(self._rollout, RolloutConfig) else getattr(self._rollout, "shutdown", None)
+        if stop is not None:
+            stop()
+
     def wake(self, step: int, weights) -> None:
         """Make the engine ready to generate with step ``step``'s weights: the staged wake with a weight
         sync (``weights()``: the trainer's ``(name, tensor)`` pairs) when the step changed or the engine

@@ -7,7 +7,7 @@ lays ``GRPOConfig.generation_kwargs`` over them, with ``vllm_structured_outputs_
 (``sglang/srt/sampling/sampling_params.py``), so a script written for the vLLM mode keeps its settings:
 
 * vLLM's names are translated where SGLang's differ (:data:`VLLM_TO_SGLANG`, :data:`STRUCTURED_TO_SGLANG`);
-  SGLang's own names are taken as they are (:data:`SGLANG_NAMES`, checked against each supported SGLang
+  SGLang's own names are taken as they are (:data:`~sgl_rollout.engine.sglang_api.SAMPLING_PARAMS`, checked against each supported SGLang
   release's source by :mod:`sgl_rollout.engine.sglang_api`, which also checks the translations' targets);
 * anything else (transformers-only keys such as ``num_beams`` or ``suppress_tokens``, a vLLM key SGLang has
   no equal for) is refused at start-up in one line, never dropped silently.
@@ -28,9 +28,6 @@ VLLM_TO_SGLANG = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"
                   "include_stop_str_in_output": "no_stop_trim"}
 #: vLLM ``StructuredOutputsParams`` fields -> SGLang's grammar parameter (one per request, SGLang's rule).
 STRUCTURED_TO_SGLANG = {"regex": "regex", "json": "json_schema", "grammar": "ebnf", "structural_tag": "structural_tag"}
-#: SGLang ``SamplingParams.__init__`` parameters a ``generation_kwargs`` key may name directly (each checked
-#: against every supported SGLang release's source: :data:`sgl_rollout.engine.sglang_api.SAMPLING_PARAMS`).
-SGLANG_NAMES = SAMPLING_PARAMS
 #: Keys TRL's vLLM mode sets itself, served here one fixed way: one completion per prompt (TRL's sampler has
 #: repeated each prompt already) and the sampled tokens' logprobs always returned.
 FIXED = {"n": (1,), "logprobs": (None, 0)}
@@ -38,16 +35,14 @@ FIXED = {"n": (1,), "logprobs": (None, 0)}
 
 def _structured(value: Any) -> Dict[str, Any]:
     """A ``structured_outputs`` entry (a dict, or vLLM's ``StructuredOutputsParams``) as SGLang's grammar
-    parameter. Raises ValueError: a field SGLang has no equal for, or more than one grammar."""
+    parameter (more than one is refused by :func:`translate_generation_kwargs`). Raises ValueError: a field
+    SGLang has no equal for."""
     fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
     given = {k: v for k, v in fields.items() if v not in (None, False) and not k.startswith("_")}
     other = sorted(set(given) - set(STRUCTURED_TO_SGLANG))
     if other:
         raise ValueError(f"generation_kwargs['structured_outputs'] fields {other} have no SGLang equal "
                          f"(SglGRPOTrainer takes {sorted(STRUCTURED_TO_SGLANG)})")
-    if len(given) > 1:
-        raise ValueError(f"generation_kwargs['structured_outputs'] sets {sorted(given)}: SGLang takes one grammar "
-                         "per request")
     return {STRUCTURED_TO_SGLANG[k]: (v if isinstance(v, str) else json.dumps(v)) for k, v in given.items()}
 
 
@@ -56,7 +51,7 @@ def translate_generation_kwargs(kwargs: Optional[Mapping[str, Any]], regex: Opti
 
     Args:
         kwargs: ``GRPOConfig.generation_kwargs``: a dict, a JSON string of one, or None. Keys in vLLM's names
-            (:data:`VLLM_TO_SGLANG`, ``structured_outputs``) or SGLang's (:data:`SGLANG_NAMES`).
+            (:data:`VLLM_TO_SGLANG`, ``structured_outputs``) or SGLang's (``sglang_api.SAMPLING_PARAMS``).
         regex: ``GRPOConfig.vllm_structured_outputs_regex``; it replaces a ``structured_outputs`` in
             ``kwargs``, as in TRL's vLLM mode.
 
@@ -71,12 +66,12 @@ def translate_generation_kwargs(kwargs: Optional[Mapping[str, Any]], regex: Opti
     if regex is not None:
         kwargs["structured_outputs"] = {"regex": regex}
     out: Dict[str, Any] = {}
-    unknown = sorted(k for k in kwargs if k not in VLLM_TO_SGLANG and k not in SGLANG_NAMES
+    unknown = sorted(k for k in kwargs if k not in VLLM_TO_SGLANG and k not in SAMPLING_PARAMS
                      and k not in FIXED and k != "structured_outputs")
     if unknown:
         raise ValueError(f"generation_kwargs {unknown} have no SGLang sampling parameter: SglGRPOTrainer takes "
                          f"vLLM's names (as TRL's vLLM modes: {sorted(VLLM_TO_SGLANG)}, structured_outputs) or "
-                         f"SGLang's {list(SGLANG_NAMES)}")
+                         f"SGLang's {list(SAMPLING_PARAMS)}")
     for key, allowed in FIXED.items():
         if key in kwargs and kwargs[key] not in allowed:
             raise ValueError(f"generation_kwargs[{key!r}]={kwargs[key]!r}: SglGRPOTrainer serves only {key}="
@@ -95,7 +90,7 @@ def translate_generation_kwargs(kwargs: Optional[Mapping[str, Any]], regex: Opti
         out.update(grammar)
     grammars = sorted(k for k in STRUCTURED_TO_SGLANG.values() if out.get(k) is not None)
     if len(grammars) > 1:
-        raise ValueError(f"generation_kwargs sets the grammars {grammars}: SGLang takes one per request")
+        raise ValueError(f"generation_kwargs sets the grammars {grammars}: SGLang takes one grammar per request")
     return out
 
 
@@ -125,5 +120,5 @@ def sampling_params_of(trainer) -> Dict[str, Any]:
     return params
 
 
-__all__ = ["FIXED", "SGLANG_NAMES", "STRUCTURED_TO_SGLANG", "VLLM_TO_SGLANG", "sampling_params_of",
+__all__ = ["FIXED", "STRUCTURED_TO_SGLANG", "VLLM_TO_SGLANG", "sampling_params_of",
            "translate_generation_kwargs"]

@@ -82,8 +82,7 @@ def _train_then_greedy(trainer, model_dir) -> dict:
         return {"base_gpu_id": info.get("base_gpu_id"), "nccl_port": info.get("nccl_port"), "tp_size": info.get("tp_size"),
                 "device": str(trainer.accelerator.device), "weights_sha256": digest.hexdigest()}
     finally:
-        if trainer.sgl.worker is not None:
-            trainer.sgl.worker.shutdown()
+        trainer.sgl.shutdown()
 
 
 def test_grpo_steps_on_sglang_then_greedy_equals_hugging_face_with_the_trainers_weights(tmp_path):
@@ -121,7 +120,7 @@ def test_a_lora_policy_reaches_the_engine_merged_and_greedy_equals_peft_merge(tm
         merged = copy.deepcopy(model).merge_and_unload().to(torch.bfloat16).eval()
         assert_greedy_equal(merged, prompts, got)
     finally:
-        trainer.sgl.worker.shutdown()
+        trainer.sgl.shutdown()
 
 
 #: The tool call forced on every turn (a regex through GRPOConfig.generation_kwargs, SGLang's grammar backend):
