@@ -33,6 +33,43 @@ def test_engine_env_updates():
     assert u == {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
 
 
+#: A scheduler's first distributed step, as SGLang's ``init_distributed_environment`` takes it (TP=1): its own
+#: TCPStore on a free port, then a gloo group of one.
+_RENDEZVOUS = """
+import datetime, socket, sys
+import torch.distributed as dist
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+try:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
+                            timeout=datetime.timedelta(seconds=3))
+except Exception as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(3)
+dist.destroy_process_group()
+"""
+
+
+def test_an_engine_started_by_a_torchrun_rank_does_not_wait_on_the_agents_store(monkeypatch):
+    """torchrun (``accelerate launch``) sets ``TORCHELASTIC_USE_AGENT_STORE=True`` for its ranks; inherited, it
+    makes the scheduler's rendezvous a client of a store nobody serves (two TRL ranks' engines hung there on
+    4xH200). The engine's environment drops it; the host process keeps it."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+
+    def rendezvous():
+        return subprocess.run([sys.executable, "-c", _RENDEZVOUS], capture_output=True, text=True, timeout=120)
+
+    inherited = rendezvous()
+    assert inherited.returncode == 3, inherited.stdout + inherited.stderr  # the hang, cut by the 3 s timeout
+    updates = engine_env_updates("0.5.12")
+    assert updates["TORCHELASTIC_USE_AGENT_STORE"] is None
+    with patched_environ(updates):
+        fixed = rendezvous()
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+
+
 def test_patched_environ_restores(monkeypatch):
     monkeypatch.setenv("A_KEEP", "1")
     monkeypatch.delenv("B_NEW", raising=False)

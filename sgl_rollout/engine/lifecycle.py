@@ -11,6 +11,11 @@ works (each learnt from its source):
 * no ``expandable_segments`` in ``PYTORCH_CUDA_ALLOC_CONF`` for the engine's processes:
   torch-memory-saver raises on it. It is removed only while the engine's processes are spawned,
   so a trainer in the host process keeps its own setting.
+* no ``TORCHELASTIC_USE_AGENT_STORE`` (torchrun, ``accelerate launch``): with it, torch's
+  ``_create_c10d_store`` (``torch/distributed/rendezvous.py``) makes every rank a TCPStore *client* of the
+  agent's store, so the scheduler's own ``init_process_group(tcp://127.0.0.1:<nccl_port>)``
+  (``init_distributed_environment``, ``sglang/srt/distributed/parallel_state.py``) waits for a server nobody
+  starts. Seen on 4xH200: two TRL ranks' TP=1 engines hung there until the test's deadline.
 
 Containment: any exception in SGLang's scheduler, or its death, makes SGLang SIGQUIT the host process
 and kill it (the trainer). :func:`install_sigquit_handler` replaces that handling; the engine's watchdog
@@ -50,6 +55,11 @@ def strip_expandable_segments(conf: Optional[str]) -> Optional[str]:
     return ",".join(kept) or None
 
 
+#: Set by torchrun's agent for the processes it starts (``torch/distributed/elastic/agent/server/local_elastic_agent.py``);
+#: inherited by SGLang's scheduler, it turns the scheduler's own TCPStore server into a client (module docstring).
+TORCHELASTIC_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
 def engine_env_updates(
     sglang_version: Optional[str] = None,
     base: Optional[Dict[str, str]] = None,
@@ -70,7 +80,8 @@ def engine_env_updates(
 
     Returns:
         dict of variable -> value or None: memory-saver CUDA-graph tagging, the allocator config
-        without ``expandable_segments``, and the TP memory-imbalance check switched off
+        without ``expandable_segments``, torchrun's ``TORCHELASTIC_USE_AGENT_STORE`` removed (the module's
+        docstring says why), and the TP memory-imbalance check switched off
         (``patches/tp_memory_imbalance.py``).
     """
     from ..patches import tp_memory_imbalance
@@ -79,6 +90,8 @@ def engine_env_updates(
     updates: Dict[str, Optional[str]] = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}
     if "PYTORCH_CUDA_ALLOC_CONF" in base:
         updates["PYTORCH_CUDA_ALLOC_CONF"] = strip_expandable_segments(base["PYTORCH_CUDA_ALLOC_CONF"])
+    if TORCHELASTIC_AGENT_STORE in base:
+        updates[TORCHELASTIC_AGENT_STORE] = None
     if disable_tp_imbalance_check:
         updates.update(tp_memory_imbalance.env_updates(sglang_version))
     if not mm_embedding_cache:
