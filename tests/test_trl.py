@@ -162,6 +162,15 @@ def test_unserved_settings_and_versions_are_refused_in_one_line(model_dir, tmp_p
     assert "enable_deterministic_inference" in sgl_trl._refusal_after_init(seeded, RolloutConfig(model_path=model_dir))
     assert sgl_trl._refusal_after_init(seeded, RolloutConfig(
         model_path=model_dir, engine_kwargs={"enable_deterministic_inference": True})) is None
+    # a grammar needs the engine's tokenizer and a grammar backend (SGLang's GrammarManager would refuse each request)
+    regex = built(generation_kwargs={"structured_outputs": {"regex": "[0-9]+"}})
+    for kwargs in ({"skip_tokenizer_init": True}, {"grammar_backend": "none"}):
+        why = sgl_trl._refusal_after_init(regex, RolloutConfig(model_path=model_dir, engine_kwargs=kwargs))
+        assert "regex grammar" in why and "\n" not in why
+    assert sgl_trl._refusal_after_init(regex, RolloutConfig(model_path=model_dir, engine_kwargs={
+        "skip_tokenizer_init": False, "grammar_backend": "xgrammar"})) is None
+    assert sgl_trl._refusal_after_init(built(), RolloutConfig(model_path=model_dir, engine_kwargs={
+        "skip_tokenizer_init": True})) is None  # no grammar, no need
 
 
 def test_sampling_params_follow_trls_generation_settings():

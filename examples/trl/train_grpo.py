@@ -15,6 +15,7 @@ task is the demo's word problems, rewarded 1 for the right number (``sgl_rollout
 """
 
 import argparse
+import json
 
 import torch
 from trl import GRPOConfig
@@ -34,6 +35,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-completion-length", type=int, default=64)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3, help="the engine's share of each GPU")
     p.add_argument("--tp", type=int, default=1, help="the engine's TP size")
+    p.add_argument("--engine-kwargs", type=json.loads, default={}, metavar="JSON",
+                   help='more SGLang ServerArgs, e.g. \'{"attention_backend": "triton"}\' where FA3 is missing')
     p.add_argument("--out", default="runs/trl-grpo")
     return p.parse_args(argv)
 
@@ -49,7 +52,7 @@ def main(argv=None, rollout=None) -> SglGRPOTrainer:
                         learning_rate=1e-6, beta=0.0, bf16=cuda, use_cpu=not cuda, logging_steps=1,
                         save_strategy="no", report_to="none")
     rollout = rollout or RolloutConfig(model_path=model, gpu_memory_utilization=args.gpu_memory_utilization,
-                                       tensor_model_parallel_size=args.tp)
+                                       tensor_model_parallel_size=args.tp, engine_kwargs=args.engine_kwargs)
     trainer = SglGRPOTrainer(model=model, reward_funcs=problem_reward, args=config,
                              train_dataset=problems_dataset(args.steps * args.batch, seed=0), rollout=rollout)
     try:

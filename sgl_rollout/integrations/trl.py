@@ -77,7 +77,7 @@ from packaging.version import InvalidVersion, Version
 from .trl_peft import _lora_variant, merged_adapter_weights, policy_weights
 from .trl_ranks import (PER_RANK_SERVER_ARGS, RankFailedError, TPGroupRanks, _tensor_parallel_size, agreed,
                         rank_rollout_config)
-from .trl_sampling import sampling_params_of
+from .trl_sampling import STRUCTURED_TO_SGLANG, sampling_params_of
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,8 @@ def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
     """Why a built trainer cannot be served yet (None: it can): sharded parameters, a LoRA variant (DoRA, ...),
     TP groups that do not divide the processes or with tools, per-rank SGLang settings given once for all
     ranks (:data:`PER_RANK_SERVER_ARGS`), or ``generation_kwargs`` SGLang cannot take
-    (:func:`~.trl_sampling.sampling_params_of`; a ``seed`` needs ``enable_deterministic_inference``)."""
+    (:func:`~.trl_sampling.sampling_params_of`; a ``seed`` needs ``enable_deterministic_inference``, a grammar
+    needs the engine's tokenizer and a grammar backend)."""
     from ..config import RolloutConfig
 
     try:
@@ -151,6 +152,12 @@ def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
         return ("generation_kwargs sets a seed, which SGLang applies only with enable_deterministic_inference "
                 "(sglang/srt/sampling/sampling_batch_info.py): add engine_kwargs={'enable_deterministic_inference': "
                 "True} to the RolloutConfig, or leave the seed out")
+    engine_kwargs = getattr(config, "engine_kwargs", None) or {}
+    grammar = next((k for k in STRUCTURED_TO_SGLANG.values() if params.get(k) is not None), None)
+    if grammar and (engine_kwargs.get("skip_tokenizer_init") or engine_kwargs.get("grammar_backend") == "none"):
+        return (f"generation_kwargs sets a {grammar} grammar, which SGLang's scheduler compiles only with its "
+                "tokenizer and a grammar backend (GrammarManager, sglang/srt/constrained/grammar_manager.py): leave "
+                "skip_tokenizer_init and grammar_backend='none' out of the RolloutConfig's engine_kwargs")
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         return "DeepSpeed or FSDP: SglGRPOTrainer gathers no sharded parameters yet"
     model = getattr(trainer, "model", None)

@@ -155,7 +155,7 @@ def test_trls_tool_loop_runs_on_the_engine_with_a_regex_forced_tool_call(tmp_pat
                       bf16=True, gradient_checkpointing=False, beta=0.0, learning_rate=1e-3,
                       max_tool_calling_iterations=1, generation_kwargs={"structured_outputs": {"regex": TOOL_CALL_REGEX}})
     rollout = RolloutConfig(model_path=model_dir, dtype="bfloat16", gpu_memory_utilization=0.2, enforce_eager=True,
-                            engine_kwargs=gpu_engine_flags())
+                            engine_kwargs=dict(gpu_engine_flags(), grammar_backend="xgrammar", skip_tokenizer_init=False))
     ds = datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in
                                                 ("What is 2+3?", "Add 2 and 3.", "2 plus 3?", "Sum of 2, 3?")]})
     trainer = SglGRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=ds, tools=[add],
