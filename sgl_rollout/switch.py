@@ -21,8 +21,17 @@ with ``tags=["weights"]`` then ``tags=["kv_cache"]``):
 1. resume ``weights`` (if released);
 2. the caller's hooks, each timed as a phase: the weight sync (``sync``), the trainer's offload
    (``offload_trainer``), anything else the caller names;
-3. ``aggressive_empty_cache()``, so the trainer's freed blocks go back to the driver;
+3. ``aggressive_empty_cache()``, so the trainer's freed blocks go back to the driver, unless the device
+   already has room for what step 4 takes back (below);
 4. resume the ``kv_cache`` stage.
+
+The empty-cache step skipped: ``torch.cuda.empty_cache`` hands every cached block of this process back,
+the trainer's activations included, which its next step then allocates again (4-10 ms of a 16 ms sync
+of SmolLM2 under TRL on one H200, ``examples/trl/``). Where this process has a CUDA context (a trainer
+in the same process: TRL, the in-process worker) a sleep measures the device memory its release freed,
+and the wake the part its ``weights`` stage took back; when the device's free memory before step 4
+covers the rest (the KV cache and CUDA graphs) with :data:`EMPTY_CACHE_MARGIN_BYTES` to spare, step 3
+is skipped (``last_empty_cache["skipped"]``). Elsewhere (no context, a release not measured) it runs.
 
 At no point do the trainer's parameters and the engine's KV cache sit on the GPU together, which is what
 lets the KV cache take a large memory fraction without an OOM at the switch.
@@ -36,7 +45,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from .memory import CUDA_GRAPH, KV_CACHE, WEIGHTS, MemoryTimeline, aggressive_empty_cache
+from .memory import (CUDA_GRAPH, KV_CACHE, WEIGHTS, GiB, MemoryTimeline, aggressive_empty_cache, device_memory,
+                     has_cuda_context)
 from .twin import Step, twin
 
 #: Stage -> the tags it moves, in SGLang's order. The only place these lists are written.
@@ -45,6 +55,18 @@ STAGES: Dict[str, Tuple[str, ...]] = {WEIGHTS: (WEIGHTS,), KV_CACHE: (KV_CACHE, 
 WAKE_ORDER: Tuple[str, ...] = (WEIGHTS, KV_CACHE)
 
 Hook = Tuple[str, Callable[[], Any]]
+
+#: Free device memory (bytes) a wake must have beyond what its ``kv_cache`` stage takes back to skip the
+#: empty-cache step: room for measurement noise and for what SGLang's first requests allocate outside its
+#: tagged regions.
+EMPTY_CACHE_MARGIN_BYTES = 2 * GiB
+
+
+def free_bytes_here() -> Optional[int]:
+    """Free memory of this process's current device (bytes, the driver's view: every process), or None
+    where this process has no CUDA context (:func:`~sgl_rollout.memory.has_cuda_context`; none is made):
+    then nothing of its own is cached, and the empty-cache step costs next to nothing."""
+    return int(device_memory()[0]) if has_cuda_context() else None
 
 
 def stage_tags(stage: str, engine_tags: Optional[Iterable[str]] = None) -> List[str]:
@@ -119,19 +141,28 @@ class Switch:
         config: the rollout settings (``free_cache_engine``, ``sleep_level``).
         timeline: where each phase's device memory is recorded; None: nothing recorded (a host with
             no CUDA context of its own, such as the Ray server, has only NVML's figure to pay for).
+        free_bytes: ``() -> bytes or None``, the device's free memory where the empty-cache step could
+            be skipped (:func:`free_bytes_here`, the default); None, or a reader answering None: never skipped.
+        empty_cache_margin_bytes: :data:`EMPTY_CACHE_MARGIN_BYTES` unless given.
 
     Attributes:
         last_phase_seconds: seconds of each phase of the last sleep or wake (``sleep``,
             ``resume_weights``, each hook's name, ``empty_cache`` and its parts ``empty_cache.*``,
             ``resume_kv_cache``, ``switch_total``); callers add their own sub-phases.
-        last_empty_cache: the last wake's :class:`~sgl_rollout.memory.EmptyCacheResult` as a dict.
+        last_empty_cache: the last wake's :class:`~sgl_rollout.memory.EmptyCacheResult` as a dict, or where
+            the step was skipped ``{"skipped": True, "free_bytes", "needed_bytes", "margin_bytes"}``.
         last_resumed: the tags the last wake resumed, in order.
     """
 
-    def __init__(self, engine, config, timeline: Optional[MemoryTimeline] = None):
+    def __init__(self, engine, config, timeline: Optional[MemoryTimeline] = None,
+                 free_bytes: Optional[Callable[[], Optional[int]]] = free_bytes_here,
+                 empty_cache_margin_bytes: int = EMPTY_CACHE_MARGIN_BYTES):
         self.engine = engine
         self.config = config
         self.timeline = timeline
+        self._free = free_bytes or (lambda: None)
+        self.empty_cache_margin_bytes = int(empty_cache_margin_bytes)
+        self._released_bytes: Optional[int] = None  # device memory the last sleep's release freed, if measured
         self.last_phase_seconds: Dict[str, float] = {}
         self.last_empty_cache: Dict = {}
         self.last_resumed: List[str] = []
@@ -181,7 +212,10 @@ class Switch:
             name = yield Step.call(before_release, tags)
             if name:
                 t0 = self.phase(name, t0)
+        self._released_bytes, before = None, self._free()
         tags = yield self._engine_step("release", tags)
+        after = self._free() if before is not None else None
+        self._released_bytes = None if after is None else after - before
         self.phase("sleep", t0)
         return tags
 
@@ -200,6 +234,7 @@ class Switch:
         tags = [t for t in stage_tags(stage, self.engine.tags) if t not in released]
         if not tags:
             return []
+        self._released_bytes = None  # not measured: the next wake empties the cache
         return (yield self._engine_step("release", tags))
 
     release_stage, async_release_stage = twin(_release_stage)
@@ -259,7 +294,11 @@ class Switch:
         t_start = time.perf_counter()
         if weights_undefined and WEIGHTS in self.released_stages() and not self.config.enable_weights_cpu_backup:
             self.engine.state.sync_sent()
+        released_bytes, self._released_bytes = self._released_bytes, None
+        before = self._free() if released_bytes is not None else None
         self.last_resumed = yield from self._resume_stage(WEIGHTS)
+        # what the KV-cache stage takes back: the sleep's release less what the weights took back
+        still_released = None if before is None else released_bytes - (before - self._free() if self.last_resumed else 0)
         if after_stage is not None and self.last_resumed:
             yield Step.call(after_stage, WEIGHTS, list(self.last_resumed))
         t0 = time.perf_counter()
@@ -267,10 +306,16 @@ class Switch:
             results[name] = yield Step.call(fn)
             t0 = self.phase(name, t0)
         if empty_cache:
-            ec = aggressive_empty_cache()
-            self.phase("empty_cache", t0)
-            self.last_phase_seconds.update(ec.phase_seconds())  # empty_cache.gc / .empty_cache / ...
-            self.last_empty_cache = ec.to_dict()
+            free = None if still_released is None else self._free()
+            if free is not None and free >= still_released + self.empty_cache_margin_bytes:
+                self.last_empty_cache = {"skipped": True, "free_bytes": free, "needed_bytes": still_released,
+                                         "margin_bytes": self.empty_cache_margin_bytes}
+                self.phase("empty_cache", t0)
+            else:
+                ec = aggressive_empty_cache()
+                self.phase("empty_cache", t0)
+                self.last_phase_seconds.update(ec.phase_seconds())  # empty_cache.gc / .empty_cache / ...
+                self.last_empty_cache = ec.to_dict()
         kv = yield from self._resume_stage(KV_CACHE)
         self.last_resumed = self.last_resumed + kv
         if after_stage is not None and kv:

@@ -104,3 +104,53 @@ def test_free_cache_engine_off_releases_nothing(engine):
     sw = Switch(engine, engine.config.model_copy(update={"free_cache_engine": False}))
     assert sw.sleep() == [] and engine.state.released == ()
     assert sw.wake([("sync", lambda: 1)]) == {"sync": 1}
+
+
+def test_the_wake_skips_the_empty_cache_step_only_where_the_device_has_room_for_the_kv_cache(engine, monkeypatch):
+    """A device of 80 GiB: the engine's tagged regions (weights 3, KV cache 10, CUDA graphs 1 GiB) and a
+    trainer whose memory changes between the sleep and the wake. The sleep measures what it freed (14 GiB),
+    the wake what the weights took back (3 GiB); the empty-cache step is skipped only when the device's
+    free memory before the KV cache's resume covers the other 11 GiB with the margin to spare."""
+    import sgl_rollout.switch as switch_mod
+    from sgl_rollout.memory import GiB, EmptyCacheResult
+
+    sizes = {"weights": 3 * GiB, "kv_cache": 10 * GiB, "cuda_graph": 1 * GiB}
+    trainer = {"bytes": 40 * GiB}
+
+    def free():
+        resident = sum(b for t, b in sizes.items() if t not in engine.state.released)
+        return 80 * GiB - trainer["bytes"] - resident
+
+    emptied = []
+    monkeypatch.setattr(switch_mod, "aggressive_empty_cache", lambda: emptied.append(free()) or EmptyCacheResult())
+    sw = Switch(engine, engine.config, free_bytes=free)
+    assert sw.empty_cache_margin_bytes == switch_mod.EMPTY_CACHE_MARGIN_BYTES == 2 * GiB
+
+    sw.sleep()
+    sw.wake()  # 80 - 40 - 3 = 37 GiB free before the KV cache: room for 11 + 2
+    assert sw.last_empty_cache == {"skipped": True, "free_bytes": 37 * GiB, "needed_bytes": 11 * GiB,
+                                   "margin_bytes": 2 * GiB}
+    assert emptied == [] and "empty_cache" in sw.last_phase_seconds and not engine.state.released
+
+    sw.sleep()
+    trainer["bytes"] = 65 * GiB  # the training step grew the trainer's cache: 12 GiB free, 13 needed
+    sw.wake()
+    assert emptied == [12 * GiB] and "skipped" not in sw.last_empty_cache
+
+    sw.sleep()
+    trainer["bytes"] = 64 * GiB  # exactly the margin left: skipped
+    sw.wake()
+    assert emptied == [12 * GiB] and sw.last_empty_cache["skipped"] is True
+
+    sw.release_stage("kv_cache")  # a release the switch did not measure: the next wake empties the cache
+    sw.wake()
+    assert len(emptied) == 2
+
+    unmeasured = Switch(engine, engine.config, free_bytes=lambda: None)  # no CUDA context here: never skipped
+    unmeasured.sleep()
+    unmeasured.wake()
+    assert len(emptied) == 3
+    asyncio.run(sw.async_sleep())  # the awaiting face measures and skips the same way
+    trainer["bytes"] = 40 * GiB
+    asyncio.run(sw.async_wake())
+    assert len(emptied) == 3 and sw.last_empty_cache["skipped"] is True
