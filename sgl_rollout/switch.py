@@ -26,7 +26,7 @@ with ``tags=["weights"]`` then ``tags=["kv_cache"]``):
 4. resume the ``kv_cache`` stage.
 
 The empty-cache step skipped: ``torch.cuda.empty_cache`` hands every cached block of this process back,
-the trainer's activations included, which its next step then allocates again (4-10 ms of a 16 ms sync
+the trainer's activations included, which its next step then allocates again (3.6-11.9 ms of a 16 ms sync
 of SmolLM2 under TRL on one H200, ``examples/trl/``). Where this process has a CUDA context (a trainer
 in the same process: TRL, the in-process worker) a sleep measures the device memory its release freed,
 and the wake the part its ``weights`` stage took back; when the device's free memory before step 4
