@@ -238,10 +238,12 @@ class RolloutWorker:
         if materialised and validator is not None:
             validator.validate_all(items)  # everything refused before anything is resumed or sent
             validator = None
-        hooks = [("sync", lambda: self._send(items, validator, partial))]
-        if self.config.free_cache_engine and self._fast_sender() is not None:
-            # the engine will sleep and the trainer run: the buffer (up to one bucket per TP rank) goes
-            # now, before the KV cache comes back, not while the trainer runs
+        # with free_cache_engine the engine will sleep and the trainer run: the buffer (up to one bucket per
+        # TP rank) goes before the KV cache comes back, not while the trainer runs; the plan path closes the
+        # engine's handles with its last bucket (_send), the hook frees what the load path left
+        release = self.config.free_cache_engine and self._fast_sender() is not None
+        hooks = [("sync", lambda: self._send(items, validator, partial, release))]
+        if release:
             hooks.append(("release_sync_buffers", self._release_sync_buffers_kept_on_error))
         hooks += list(after_sync)
         if offload_trainer is not None:
@@ -256,15 +258,16 @@ class RolloutWorker:
         )
         return stats
 
-    def _send(self, items, validator, partial: bool) -> SyncStats:
+    def _send(self, items, validator, partial: bool, release: bool = False) -> SyncStats:
         """The sync hook of :meth:`update_weights`: every bucket inside the engine's sync fence, on the
-        fast path (its timings land in ``last_phase_seconds`` as ``sync.*``) or SGLang's flattened one."""
+        fast path (its timings land in ``last_phase_seconds`` as ``sync.*``; ``release``: its buffers freed
+        with the last bucket, :meth:`FastPathSender.send`) or SGLang's flattened one."""
         fast = self._fast_sender()
         group_of = layer_index if self.config.layered_summon else None
 
         def body() -> SyncStats:
             if fast is not None:
-                return fast.send(items, validator=validator, partial=partial, group_of=group_of)
+                return fast.send(items, validator=validator, partial=partial, group_of=group_of, release=release)
             return send_flattened_buckets(self.engine, items, bucket_bytes=self.config.bucket_bytes,
                                           tp_size=self.config.tensor_model_parallel_size,
                                           validator=validator, group_of=group_of)

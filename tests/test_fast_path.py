@@ -383,6 +383,61 @@ def test_release_closes_and_the_next_sync_reopens():
     assert_same_params(models, reference(1, w2))
 
 
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_send_with_release_closes_the_handles_with_the_last_bucket(tp_size):
+    """``send(release=True)``: the engine drops its handles in the last bucket's call, no ``release`` round
+    trip follows, the sender holds nothing; a sync after it opens them again."""
+    w = hf_weights(seed=14)
+    models = [SGLangShaped(r, tp_size) for r in range(tp_size)]
+    engine = SGLangLikeEngine(models)
+    sender = FastPathSender(engine, manifest_of(w), 3000, devices=["cpu"] * tp_size)
+    sender.send(w)  # the plan, then the buckets
+    n_buckets = sender.plan.program.n_buckets
+    assert n_buckets > 1
+    w2 = hf_weights(seed=15)
+    calls = engine.loader_calls
+    stats = sender.send(w2, release=True)
+    assert stats.n_buckets == n_buckets and engine.loader_calls - calls == n_buckets * tp_size
+    assert not sender.holds_buffers and sender.buffer_bytes == 0
+    assert not any(k.startswith(sender.key) for k in receiver._SHARED)
+    assert_same_params(models, reference(tp_size, w2))
+    calls = engine.loader_calls
+    sender.release()  # nothing left to close: no call
+    assert engine.loader_calls == calls
+    w3 = hf_weights(seed=16)
+    sender.send(w3)
+    assert sender.holds_buffers and any(k.startswith(sender.key) for k in receiver._SHARED)
+    assert_same_params(models, reference(tp_size, w3))
+    sender.release()
+
+
+def test_send_with_release_whose_last_bucket_fails_keeps_the_handles_for_release():
+    w = hf_weights(seed=17)
+    models, engine, sender = rig(w, 1 << 20)  # one bucket: the first is the last
+    sender.send(w)
+    sender.fault = "raise"
+    with pytest.raises(FastPathError, match="fault injected"):
+        sender.send(hf_weights(seed=18), release=True)
+    assert sender.holds_buffers and any(k.startswith(sender.key) for k in receiver._SHARED)
+    sender.release()
+    assert not sender.holds_buffers and not any(k.startswith(sender.key) for k in receiver._SHARED)
+    w2 = hf_weights(seed=19)
+    sender.send(w2, release=True)
+    assert_same_params(models, reference(1, w2))
+
+
+def test_partial_send_with_release_leaves_the_buffers_to_release():
+    w = hf_weights(seed=20)
+    models, engine, sender = rig(w, 1 << 20)
+    sender.send(w)
+    part = [(n, t) for n, t in hf_weights(seed=21) if "layers.0." in n]
+    sender.send(part, partial=True, release=True)  # op load: the last bucket is not known in advance
+    assert sender.holds_buffers and any(k.startswith(sender.key) for k in receiver._SHARED)
+    sender.release()
+    assert not any(k.startswith(sender.key) for k in receiver._SHARED)
+    assert_same_params(models, reference(1, w + part))
+
+
 def test_layout_splits_rows_and_covers_every_element_once():
     chunks = [Chunk("a", 0, (10, 4), (4, 1), "bfloat16", 0, 0), Chunk("b", 3, (7, 3), (8, 2), "float32", 1, 5)]
     buckets = layout(chunks, 64)

@@ -146,10 +146,12 @@ class RecordingFastSender:
 
     def __init__(self, fake):
         self.fake, self.holds_buffers, self.timings, self.events = fake, False, {"call": 0.001}, []
+        self.release_asked = []  # send's release argument, per sync
 
-    def send(self, items, **kw):
+    def send(self, items, release=False, **kw):
         items = list(items)
-        self.holds_buffers = True
+        self.release_asked.append(release)
+        self.holds_buffers = True  # as the load path leaves them (the plan path frees them itself)
         self.events.append(("send", len(self.fake.calls)))
         return SyncStats(n_tensors=len(items), n_buckets=1, bytes=sum(t.numel() * t.element_size() for _, t in items))
 
@@ -171,6 +173,7 @@ def test_fast_path_buffer_freed_before_the_kv_cache_when_the_engine_sleeps(cfg, 
     w.update_weights([("x", torch.ones(4))], offload_trainer=lambda: None)
     weights_resumed = int(cfg == {})  # only level 2 released them
     assert sender.events[0] == ("send", before + weights_resumed)  # sent after the weights came back
+    assert sender.release_asked == [freed_at_sync]  # the plan path closes the handles with its last bucket
     kv_resumes = [i for i, c in enumerate(fake.calls) if c == ("resume", ("kv_cache", "cuda_graph"))]
     if freed_at_sync:
         assert sender.events[1][0] == "release" and not sender.holds_buffers

@@ -45,8 +45,8 @@ class WorkerDouble:
         self.synced.append({n: t.clone() for n, t in named})
         self.asleep = False
         self.events.append("sync")
-        self.last_phase_seconds = {"resume_weights": 0.001, "sync": 0.002, "empty_cache": 0.001,
-                                   "resume_kv_cache": 0.004}
+        self.last_phase_seconds = {"resume_weights": 0.001, "sync": 0.002, "release_sync_buffers": 0.0005,
+                                   "empty_cache": 0.001, "resume_kv_cache": 0.004}
 
     def generate(self, input_ids, sampling_params, n=1, return_logprob=True):
         assert not self.asleep, "generate while asleep"

@@ -8,8 +8,8 @@ completion length; each side in a process of its own, one after the other. Per t
 (``<out>/<side>.jsonl``) holds: ``step_s`` (the step, generation included), ``gen_s`` (TRL's ``_generate``:
 templating, the engine's wake and sync on side ``ours``, generation, sleep), ``sync_s`` (the weight sync,
 measured as TRL's ``VLLMGeneration.sync_weights`` is on side ``vllm``: the weights' memory back, the
-weights pushed, the cache emptied; on side ``ours`` the phases ``resume_weights``, ``sync`` and
-``empty_cache`` of :meth:`RolloutWorker.update_weights`), ``wake_s`` (side ``ours``: the whole staged wake
+weights pushed, the cache emptied; on side ``ours`` the phases ``resume_weights``, ``sync``,
+``release_sync_buffers`` and ``empty_cache`` of :meth:`RolloutWorker.update_weights`), ``wake_s`` (side ``ours``: the whole staged wake
 with its sync, the KV cache's and CUDA graphs' resume included, which vLLM does inside its generate),
 ``engine_gen_s`` and ``sleep_s`` (side ``ours``: the engine's generate call and its sleep, the rest of
 ``gen_s`` being TRL's own), ``wake_phases`` (side ``ours``: the seconds of each phase of the step's last wake,
@@ -98,8 +98,9 @@ def problem_reward(completions, answer, **kwargs) -> List[float]:
 
 
 #: The phases of :meth:`RolloutWorker.update_weights` (:attr:`Switch.last_phase_seconds`) that make up what
-#: TRL's ``VLLMGeneration.sync_weights`` does on vLLM: the weights' memory back, the push, the cache emptied.
-SYNC_PHASES = ("resume_weights", "sync", "empty_cache")
+#: TRL's ``VLLMGeneration.sync_weights`` does on vLLM: the weights' memory back, the push, the cache emptied;
+#: and the freeing of the fast path's buffers, which vLLM's push has no need of.
+SYNC_PHASES = ("resume_weights", "sync", "release_sync_buffers", "empty_cache")
 
 
 def _timed(trainer, name: str, into: Dict[str, Any], key: str,

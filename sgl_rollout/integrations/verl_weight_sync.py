@@ -93,8 +93,9 @@ async def _aclose(named) -> None:
 
 
 def _fast_send(sender: FastPathSender, items, validator) -> None:
-    """One fast-path sync of ``items`` by ``sender``, then the buffers freed (the engine closes its handles)."""
-    sender.send(items, validator=validator)
+    """One fast-path sync of ``items`` by ``sender``, then the buffers freed: the engine closes its handles
+    with the last bucket (plan path), or in op ``release`` (load path; a no-op where they are freed)."""
+    sender.send(items, validator=validator, release=True)
     sender.release()
 
 

@@ -276,7 +276,7 @@ class FastPathSender:
 
     # ------------------------------------------------------------- sync
     def send(self, named_tensors: Iterable[NamedTensor], validator=None, partial: bool = False,
-             group_of: Optional[Callable[[str], object]] = None) -> SyncStats:
+             group_of: Optional[Callable[[str], object]] = None, release: bool = False) -> SyncStats:
         """Sync ``named_tensors`` (call inside a sync fence: :func:`~.driver.sync_fenced`).
 
         Args:
@@ -290,6 +290,12 @@ class FastPathSender:
                 source is dropped once the step with its last piece is gathered, so with a stream in the
                 plan's order the sender holds about one step (:data:`GATHER_STEP_BYTES`) of gathered
                 sources besides the buffer.
+            release: the caller frees the buffers after this sync (:meth:`release`). On the plan path the
+                last bucket's request tells the engine to close its handles once it has loaded it, and
+                the buffers are freed here after the engine answered: the same end state as
+                :meth:`release` without its round trip (about 3 ms of a 16 ms sync of a 135M model
+                under TRL on an H200). On the load path, or where no bucket was sent, the buffers
+                stay: call :meth:`release` (it does nothing once they are freed).
 
         Returns:
             SyncStats; ``bytes`` counts rank 0's bytes, ``max_bucket_bytes`` the largest buffer.
@@ -303,11 +309,14 @@ class FastPathSender:
         self.timings = {}
         with torch.no_grad():  # trainer parameters require grad; copies into the buffer must not record
             if partial or not self.ensure_plan():
-                stats = _send_load(self, named_tensors, validator, group_of)
+                stats, closed = _send_load(self, named_tensors, validator, group_of), False
             else:
-                stats = self._send_plan(named_tensors, validator)
+                stats = self._send_plan(named_tensors, validator, release)
+                closed = release and stats.n_buckets > 0
         if stats.n_buckets:
             self.engine.flush_cache()
+        if closed:  # the engine dropped its handles with the last bucket
+            self._free()
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -342,26 +351,28 @@ class FastPathSender:
         self._tick("gather.copy", t_copy)
         return self._copy_header(i, b), buf
 
-    def _send_plan(self, named_tensors, validator) -> SyncStats:
+    def _send_plan(self, named_tensors, validator, release: bool = False) -> SyncStats:
         """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
         the engine, each in steps (:class:`GatherSteps`): a source is dropped once the step with its last
-        piece is gathered."""
+        piece is gathered. ``release``: the last bucket's headers ask the engine to close its handles."""
         feed = SourceFeed(named_tensors, validator, self.plan.program.steps.last_use)
-        stats = self._plan_rounds(lambda b: self._fill_bucket(b, feed), feed.finish)
+        stats = self._plan_rounds(lambda b: self._fill_bucket(b, feed), feed.finish, release)
         stats.n_tensors = feed.seen
         return stats
 
-    def _plan_rounds(self, fill: Callable[[int], list], done: Callable[[], None]) -> SyncStats:
+    def _plan_rounds(self, fill: Callable[[int], list], done: Callable[[], None], release: bool = False) -> SyncStats:
         """The plan path's bucket rounds (:func:`~.protocol.bucket_rounds`): ``fill(b)`` gives each served
         rank's (header, buffer) of bucket ``b``, the engine scatters them; ``done()`` after the last bucket
-        of a sync that did not fail."""
+        of a sync that did not fail. ``release``: the last bucket's headers carry ``release`` (the receiver
+        closes its handles after answering OK)."""
         prog, stats = self.plan.program, SyncStats()
 
         def next_round(b: int) -> list:
             return [None] * len(self.tp_ranks) if b >= prog.n_buckets else fill(b)
 
         def load(payloads: list, b: int) -> None:
-            self._call([h for h, _ in payloads], [buf for _, buf in payloads])
+            last = release and b == prog.n_buckets - 1
+            self._call([dict(h, release=True) if last else h for h, _ in payloads], [buf for _, buf in payloads])
             stats.n_buckets += 1
             stats.bytes += prog.bytes_rank0[b]
             stats.max_bucket_bytes = max(stats.max_bucket_bytes, *(x.numel() for x in self._buffers if x is not None))
@@ -425,6 +436,10 @@ class FastPathSender:
         """
         if notify and any(b is not None for b in self._mem.status):
             self._call_each("release")
+        self._free()
+
+    def _free(self) -> None:
+        """Drop this sender's buffers and status blocks (the engine no longer holds their handles)."""
         self._mem.free()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()

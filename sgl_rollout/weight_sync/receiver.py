@@ -42,6 +42,10 @@ would be answered with the old weights' vision features.
 * ``release``: drop this process's references to the sender's buffer and status block, closing the
   IPC mappings so the sender's memory can be freed.
 
+A ``copy`` or ``load`` whose header says ``"release": true`` (the last bucket of a sync after which the sender
+frees its buffers) drops them the same way once it has answered OK, which spares the sender op ``release``'s
+round trip; a request that failed keeps them, and the sender keeps its buffers for a later ``release``.
+
 The buffer and status block stay referenced between calls, so torch's IPC cache
 (``torch/multiprocessing/reductions.py``, ``storage_from_cache``) re-opens their handles for free;
 a cached handle also skips torch's IPC event wait, which is why the sender synchronizes its stream
@@ -112,7 +116,7 @@ def load_weights(model, named_tensors) -> None:
         if buffer.is_cuda:
             torch.cuda.current_stream(buffer.device).synchronize()  # the sender may reuse the buffer now
         _answer(status, seq, OK, dict(body, t=[t_in, time.monotonic()]))
-        if op == "release":
+        if op == "release" or header.get("release"):
             _SHARED.pop(header["key"], None)
             _SHARED.pop(header["key"] + "/status", None)
     except BaseException as exc:  # noqa: BLE001 - anything escaping kills the scheduler and the trainer
