@@ -207,7 +207,7 @@ def _free_port():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_two_ranks_each_engine_on_its_gpus_greedy_equals_hugging_face(tmp_path, tp):
     """tp=1: data parallel, an engine per rank on its GPU. tp=2: one TP=2 engine over both GPUs, led by rank 0,
-    generating both ranks' prompts (TRL's ``vllm_tensor_parallel_size=2``). Written without a GPU run."""
+    generating both ranks' prompts (TRL's ``vllm_tensor_parallel_size=2``). Both passed on 2 H200s (715fb4e)."""
     model_dir = build_chat_model_dir(tmp_path / "model", with_weights=True)
     out = tmp_path / "out"
     out.mkdir()
