@@ -238,9 +238,7 @@ class RolloutWorker:
         if materialised and validator is not None:
             validator.validate_all(items)  # everything refused before anything is resumed or sent
             validator = None
-        # with free_cache_engine the engine will sleep and the trainer run: the buffer (up to one bucket per
-        # TP rank) goes before the KV cache comes back, not while the trainer runs; the plan path closes the
-        # engine's handles with its last bucket (_send), the hook frees what the load path left
+        # the buffer goes before the KV cache is back, not while the trainer runs (_send; the hook: the load path)
         release = self.config.free_cache_engine and self._fast_sender() is not None
         hooks = [("sync", lambda: self._send(items, validator, partial, release))]
         if release:

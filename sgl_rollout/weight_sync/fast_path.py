@@ -290,12 +290,9 @@ class FastPathSender:
                 source is dropped once the step with its last piece is gathered, so with a stream in the
                 plan's order the sender holds about one step (:data:`GATHER_STEP_BYTES`) of gathered
                 sources besides the buffer.
-            release: the caller frees the buffers after this sync (:meth:`release`). On the plan path the
-                last bucket's request tells the engine to close its handles once it has loaded it, and
-                the buffers are freed here after the engine answered: the same end state as
-                :meth:`release` without its round trip (about 3 ms of a 16 ms sync of a 135M model
-                under TRL on an H200). On the load path, or where no bucket was sent, the buffers
-                stay: call :meth:`release` (it does nothing once they are freed).
+            release: free the buffers after this sync. The plan path's last bucket asks the engine to close
+                its handles (:meth:`release`'s end state without its round trip: ~3 ms under TRL on an H200);
+                on the load path, or with no bucket sent, they stay for :meth:`release` (a no-op once freed).
 
         Returns:
             SyncStats; ``bytes`` counts rank 0's bytes, ``max_bucket_bytes`` the largest buffer.
@@ -315,8 +312,8 @@ class FastPathSender:
                 closed = release and stats.n_buckets > 0
         if stats.n_buckets:
             self.engine.flush_cache()
-        if closed:  # the engine dropped its handles with the last bucket
-            self._free()
+        if closed:  # the engine dropped its handles with the last bucket: free ours without a call
+            self.release(notify=False)
         stats.seconds = time.perf_counter() - t0
         return stats
 
@@ -436,10 +433,6 @@ class FastPathSender:
         """
         if notify and any(b is not None for b in self._mem.status):
             self._call_each("release")
-        self._free()
-
-    def _free(self) -> None:
-        """Drop this sender's buffers and status blocks (the engine no longer holds their handles)."""
         self._mem.free()
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()
