@@ -147,12 +147,11 @@ def _refusal_after_init(trainer, rollout=None) -> Optional[str]:
     except ValueError as e:
         return str(e)
     config = rollout if isinstance(rollout, RolloutConfig) else getattr(rollout, "config", None)
-    if "sampling_seed" in params and not (getattr(config, "engine_kwargs", None) or {}).get(
-            "enable_deterministic_inference"):
+    engine_kwargs = getattr(config, "engine_kwargs", None) or {}
+    if "sampling_seed" in params and not engine_kwargs.get("enable_deterministic_inference"):
         return ("generation_kwargs sets a seed, which SGLang applies only with enable_deterministic_inference "
                 "(sglang/srt/sampling/sampling_batch_info.py): add engine_kwargs={'enable_deterministic_inference': "
                 "True} to the RolloutConfig, or leave the seed out")
-    engine_kwargs = getattr(config, "engine_kwargs", None) or {}
     grammar = next((k for k in STRUCTURED_TO_SGLANG.values() if params.get(k) is not None), None)
     if grammar and (engine_kwargs.get("skip_tokenizer_init") or engine_kwargs.get("grammar_backend") == "none"):
         return (f"generation_kwargs sets a {grammar} grammar, which SGLang's scheduler compiles only with its "
