@@ -18,7 +18,8 @@ nothing.
 The staged wake, in this order (SGLang's RL team's multi-stage wake-up; verl's ``ServerAdapter.resume``
 with ``tags=["weights"]`` then ``tags=["kv_cache"]``):
 
-1. resume ``weights`` (if released);
+1. resume ``weights`` (if released), the caller's ``while_resuming`` work running meanwhile in this process
+   (the fast path gathers its first bucket there, overlapping SGLang's resume);
 2. the caller's hooks, each timed as a phase: the weight sync (``sync``), the trainer's offload
    (``offload_trainer``), anything else the caller names;
 3. ``aggressive_empty_cache()``, so the trainer's freed blocks go back to the driver, unless the device
@@ -240,29 +241,37 @@ class Switch:
     release_stage, async_release_stage = twin(_release_stage)
 
     # ----------------------------------------------------------------- wake
-    def _resume_stage(self, stage: str):
+    def _resume_stage(self, stage: str, meanwhile: Optional[Callable[[], Any]] = None):
         """Resume one stage of the staged wake, only what of it is released (phase ``resume_<stage>``;
         a stage with nothing released is a no-op and records nothing).
+
+        Args:
+            stage: ``"weights"`` or ``"kv_cache"``.
+            meanwhile: run while SGLang resumes (the engine's ``resume``'s ``meanwhile``; the phase then spans
+                both), or on its own when nothing of the stage is released.
 
         Returns:
             the tags resumed.
 
         Raises:
-            ValueError: unknown stage. MemoryStateError: as the engine's ``resume``.
+            ValueError: unknown stage. MemoryStateError: as the engine's ``resume``. Whatever ``meanwhile`` raised.
         """
         released = set(self.engine.state.released)
         tags = [t for t in stage_tags(stage, self.engine.tags) if t in released]
         if not tags:
+            if meanwhile is not None:
+                yield Step.call(meanwhile)
             return []
         t0 = time.perf_counter()
-        tags = yield self._engine_step("resume", tags)
+        tags = yield self._engine_step("resume", tags, *([meanwhile] if meanwhile is not None else []))
         self.phase(f"resume_{stage}", t0)
         return tags
 
     resume_stage, async_resume_stage = twin(_resume_stage)
 
     def _wake(self, hooks: Sequence[Hook] = (), empty_cache: bool = True, weights_undefined: bool = False,
-              after_stage: Optional[Callable[[str, List[str]], Any]] = None):
+              after_stage: Optional[Callable[[str, List[str]], Any]] = None,
+              while_resuming: Optional[Callable[[], Optional[int]]] = None):
         """The staged wake: resume ``weights`` -> each hook -> empty cache -> resume ``kv_cache``.
 
         Works asleep or awake: stages with nothing released are skipped, so with
@@ -279,6 +288,12 @@ class Switch:
                 resume, so a caller interrupted right after it cannot leave them looking whole.
             after_stage: ``(stage, tags resumed) -> None`` (or an awaitable), called after each stage
                 that resumed anything (the Ray server records every node's device memory there).
+            while_resuming: ``() -> bytes or None``, a plain function run while SGLang resumes the ``weights``
+                stage (before the hooks when it is resident), so that work needing neither the engine nor
+                its weights overlaps the resume: the fast path's first bucket gathered (:class:`RolloutWorker
+                <sgl_rollout.worker.RolloutWorker>`). It returns the device memory (bytes) it took on this
+                process's device, so the empty-cache step's reading of what the weights took back stays
+                true; None counts as 0. Phase ``resume_weights`` spans both. It must not call the engine.
 
         Returns:
             ``{phase name: hook's return value}`` of the hooks; :attr:`last_resumed` holds the tags
@@ -296,9 +311,15 @@ class Switch:
             self.engine.state.sync_sent()
         released_bytes, self._released_bytes = self._released_bytes, None
         before = self._free() if released_bytes is not None else None
-        self.last_resumed = yield from self._resume_stage(WEIGHTS)
+        took = [0]  # device memory while_resuming took (it is not the weights')
+
+        def overlap() -> None:
+            took[0] = while_resuming() or 0
+
+        self.last_resumed = yield from self._resume_stage(WEIGHTS, None if while_resuming is None else overlap)
         # what the KV-cache stage takes back: the sleep's release less what the weights took back
-        still_released = None if before is None else released_bytes - (before - self._free() if self.last_resumed else 0)
+        still_released = (None if before is None else
+                          released_bytes - (before - self._free() - took[0] if self.last_resumed else 0))
         if after_stage is not None and self.last_resumed:
             yield Step.call(after_stage, WEIGHTS, list(self.last_resumed))
         t0 = time.perf_counter()

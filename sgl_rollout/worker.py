@@ -1,7 +1,8 @@
 """The rollout worker: one engine, its switch (:mod:`sgl_rollout.switch`) and its weight sync.
 
 :meth:`RolloutWorker.update_weights` is the staged wake (:meth:`~sgl_rollout.switch.Switch.wake`) with
-the weight sync and the trainer's offload as its hooks: resume ``weights`` -> stream the new weights over
+the weight sync and the trainer's offload as its hooks: resume ``weights`` (on the fast path the first
+bucket is gathered meanwhile, :meth:`FastPathSender.gather_ahead`) -> stream the new weights over
 CUDA IPC (the copy-plan fast path when ``config.fast_sync``, CUDA and the weight manifest allow it, else
 SGLang's flattened buckets; with ``free_cache_engine`` the fast path's buffer is freed right after) ->
 offload the trainer -> empty the cache -> resume the KV cache.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import ItemsView, Mapping
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -238,15 +239,11 @@ class RolloutWorker:
         if materialised and validator is not None:
             validator.validate_all(items)  # everything refused before anything is resumed or sent
             validator = None
-        # the buffer goes before the KV cache is back, not while the trainer runs (_send; the hook: the load path)
-        release = self.config.free_cache_engine and self._fast_sender() is not None
-        hooks = [("sync", lambda: self._send(items, validator, partial, release))]
-        if release:
-            hooks.append(("release_sync_buffers", self._release_sync_buffers_kept_on_error))
+        hooks, overlap = self._sync_hooks(items, validator, partial)
         hooks += list(after_sync)
         if offload_trainer is not None:
             hooks.append(("offload_trainer", offload_trainer))
-        stats = self.switch.wake(hooks, weights_undefined=True)["sync"]
+        stats = self.switch.wake(hooks, weights_undefined=True, while_resuming=overlap)["sync"]
         if not self._frozen_trainer:  # the trainer's model and optimizer exist now: freeze them too, once
             freeze_long_lived()
             self._frozen_trainer = True
@@ -256,16 +253,38 @@ class RolloutWorker:
         )
         return stats
 
-    def _send(self, items, validator, partial: bool, release: bool = False) -> SyncStats:
+    def _sync_hooks(self, items, validator, partial: bool) -> Tuple[List[Hook], Optional[Callable[[], Optional[int]]]]:
+        """The weight sync's hooks of :meth:`update_weights`' staged wake (``sync``; with ``free_cache_engine``
+        on the fast path also ``release_sync_buffers``, which frees what a load-path sync kept: its buffer
+        goes before the KV cache is back, not while the trainer runs), and on the fast path the work to run
+        while the weights resume (:meth:`Switch.wake`'s ``while_resuming``): the first bucket gathered
+        (:meth:`FastPathSender.gather_ahead`), returning the device memory that took."""
+        fast = self._fast_sender()
+        release = self.config.free_cache_engine and fast is not None
+        ahead: list = [None]
+
+        def gather_ahead() -> Optional[int]:
+            before = torch.cuda.memory_reserved() if torch.cuda.is_available() else 0
+            ahead[0] = fast.gather_ahead(items, validator)
+            return torch.cuda.memory_reserved() - before if torch.cuda.is_available() else None
+
+        hooks: List[Hook] = [("sync", lambda: self._send(items, validator, partial, release, ahead[0]))]
+        if release:
+            hooks.append(("release_sync_buffers", self._release_sync_buffers_kept_on_error))
+        return hooks, (gather_ahead if fast is not None and not partial else None)
+
+    def _send(self, items, validator, partial: bool, release: bool = False, ahead=None) -> SyncStats:
         """The sync hook of :meth:`update_weights`: every bucket inside the engine's sync fence, on the
         fast path (its timings land in ``last_phase_seconds`` as ``sync.*``; ``release``: its buffers freed
-        with the last bucket, :meth:`FastPathSender.send`) or SGLang's flattened one."""
+        with the last bucket; ``ahead``: its first bucket gathered while the weights resumed,
+        :meth:`FastPathSender.send`) or SGLang's flattened one."""
         fast = self._fast_sender()
         group_of = layer_index if self.config.layered_summon else None
 
         def body() -> SyncStats:
             if fast is not None:
-                return fast.send(items, validator=validator, partial=partial, group_of=group_of, release=release)
+                return fast.send(items, validator=validator, partial=partial, group_of=group_of, release=release,
+                                 ahead=ahead)
             return send_flattened_buckets(self.engine, items, bucket_bytes=self.config.bucket_bytes,
                                           tp_size=self.config.tensor_model_parallel_size,
                                           validator=validator, group_of=group_of)

@@ -438,6 +438,48 @@ def test_partial_send_with_release_leaves_the_buffers_to_release():
     assert_same_params(models, reference(1, w + part))
 
 
+@pytest.mark.parametrize("tp_size,bucket_bytes", [(1, 1 << 20), (1, 3000), (2, 3000)])
+def test_first_bucket_gathered_ahead_calls_no_engine_and_the_send_equals_a_plain_one(tp_size, bucket_bytes):
+    """``gather_ahead`` (run while SGLang resumes the weights) gathers bucket 0 without calling the engine;
+    ``send(ahead=...)`` sends it as gathered and reads the stream on from it: the same calls and weights as a
+    plain send, the ahead part kept in the timings."""
+    w = hf_weights(seed=22)
+    models = [SGLangShaped(r, tp_size) for r in range(tp_size)]
+    engine = SGLangLikeEngine(models)
+    sender = FastPathSender(engine, manifest_of(w), bucket_bytes, devices=["cpu"] * tp_size)
+    assert sender.gather_ahead(iter(w)) is None  # no plan yet: nothing read, send asks for it in the fence
+    sender.send(w)
+    n_buckets = sender.plan.program.n_buckets
+    w2 = hf_weights(seed=23)
+    calls = engine.loader_calls
+    stream = iter(w2)
+    ahead = sender.gather_ahead(stream)
+    assert engine.loader_calls == calls and ahead.first is not None
+    assert len(ahead.first) == tp_size and all(buf is not None for _, buf in ahead.first)
+    assert_same_params(models, reference(tp_size, w))  # nothing of w2 reached the engine yet
+    stats = sender.send(iter(()), release=True, ahead=ahead)  # the stream comes from ahead, not this argument
+    assert stats.n_buckets == n_buckets and stats.n_tensors == len(w2)
+    assert engine.loader_calls - calls == n_buckets * tp_size
+    assert_same_params(models, reference(tp_size, w2))
+    assert "gather.ahead" in sender.timings and "call" in sender.timings
+    assert not sender.holds_buffers
+
+
+def test_first_bucket_gathered_ahead_refuses_a_bad_tensor_before_anything_is_sent():
+    w = hf_weights(seed=24)
+    models, engine, sender = rig(w, 3000)
+    sender.send(w)
+    bad = [(n, t[:1] if i == 0 else t) for i, (n, t) in enumerate(hf_weights(seed=25))]
+    calls = engine.loader_calls
+    with pytest.raises(SyncValidationError, match="shape"):
+        sender.gather_ahead(iter(bad), validator=SyncValidator(manifest_of(w)))
+    assert engine.loader_calls == calls
+    assert_same_params(models, reference(1, w))
+    with pytest.raises(ValueError, match="partial"):
+        sender.send(w, partial=True, ahead=sender.gather_ahead(iter(w)))
+    sender.release()
+
+
 def test_layout_splits_rows_and_covers_every_element_once():
     chunks = [Chunk("a", 0, (10, 4), (4, 1), "bfloat16", 0, 0), Chunk("b", 3, (7, 3), (8, 2), "float32", 1, 5)]
     buckets = layout(chunks, 64)

@@ -147,13 +147,20 @@ class RecordingFastSender:
     def __init__(self, fake):
         self.fake, self.holds_buffers, self.timings, self.events = fake, False, {"call": 0.001}, []
         self.release_asked = []  # send's release argument, per sync
+        self.ahead_asked = 0  # gather_ahead calls (the worker's work while the weights resume)
+        self.ahead_token, self.ahead_got = object(), []
 
     def send(self, items, release=False, **kw):
         items = list(items)
+        self.ahead_got.append(kw.get("ahead"))
         self.release_asked.append(release)
         self.holds_buffers = True  # as the load path leaves them (the plan path frees them itself)
         self.events.append(("send", len(self.fake.calls)))
         return SyncStats(n_tensors=len(items), n_buckets=1, bytes=sum(t.numel() * t.element_size() for _, t in items))
+
+    def gather_ahead(self, items, validator=None):
+        self.ahead_asked += 1
+        return self.ahead_token  # what send must be handed back
 
     def release(self, notify=True):
         self.holds_buffers = False
@@ -174,6 +181,8 @@ def test_fast_path_buffer_freed_before_the_kv_cache_when_the_engine_sleeps(cfg, 
     weights_resumed = int(cfg == {})  # only level 2 released them
     assert sender.events[0] == ("send", before + weights_resumed)  # sent after the weights came back
     assert sender.release_asked == [freed_at_sync]  # the plan path closes the handles with its last bucket
+    assert sender.ahead_asked == 1  # the first bucket was offered to gather while the weights resumed
+    assert sender.ahead_got == [sender.ahead_token]  # and what it gathered was sent
     kv_resumes = [i for i, c in enumerate(fake.calls) if c == ("resume", ("kv_cache", "cuda_graph"))]
     if freed_at_sync:
         assert sender.events[1][0] == "release" and not sender.holds_buffers

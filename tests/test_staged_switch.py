@@ -154,3 +154,67 @@ def test_the_wake_skips_the_empty_cache_step_only_where_the_device_has_room_for_
     trainer["bytes"] = 40 * GiB
     asyncio.run(sw.async_wake())
     assert len(emptied) == 3 and sw.last_empty_cache["skipped"] is True
+
+
+def test_work_while_the_weights_resume_overlaps_the_resume_and_its_error_comes_after_the_answer(engine):
+    """``while_resuming`` runs once the weights' resume is sent and before its answer is awaited (the fast
+    path gathers its first bucket there); an error it raises comes out of the wake once SGLang has answered,
+    the weights committed as resumed and the KV cache left released, as after a failing hook."""
+    fake = engine._engine
+    fake.answer_delay_s = 0.3  # SGLang answers the resume well after this process has gone on
+    sw = Switch(engine, engine.config)
+    sw.sleep()
+    seen = []
+
+    def meanwhile():
+        seen.append((engine.state.busy, engine.state.is_released("weights")))
+
+    sw.wake([("sync", lambda: seen.append("sync"))], while_resuming=meanwhile)
+    assert seen == [("resume", True), "sync"]  # while the resume was in flight, then the hook
+    assert engine.state.released == () and not fake.dead
+
+    sw.sleep()
+
+    def boom():
+        raise RuntimeError("gather failed")
+
+    with pytest.raises(RuntimeError, match="gather failed"):
+        sw.wake([("sync", lambda: seen.append("sync2"))], while_resuming=boom)
+    assert "sync2" not in seen and engine.state.busy is None
+    assert sorted(engine.state.released) == ["cuda_graph", "kv_cache"]  # the weights' resume was answered
+    assert sw.resume_stage("kv_cache") == ["kv_cache", "cuda_graph"]
+
+    sw_awake = Switch(engine, engine.config.model_copy(update={"free_cache_engine": False}))
+    sw_awake.wake([("sync", lambda: seen.append("sync3"))], while_resuming=lambda: seen.append("ahead"))
+    assert seen[-2:] == ["ahead", "sync3"]  # nothing to resume: it runs before the hooks
+
+
+def test_memory_the_work_while_resuming_takes_is_not_counted_as_the_weights(engine, monkeypatch):
+    """The empty-cache step's skip reads what the weights took back from the device's free memory around their
+    resume; memory ``while_resuming`` took meanwhile (the gather's buffer) is subtracted, as it returns it."""
+    import sgl_rollout.switch as switch_mod
+    from sgl_rollout.memory import GiB, EmptyCacheResult
+
+    sizes = {"weights": 3 * GiB, "kv_cache": 10 * GiB, "cuda_graph": 1 * GiB}
+    trainer = {"bytes": 54 * GiB}
+
+    def free():
+        resident = sum(b for t, b in sizes.items() if t not in engine.state.released)
+        return 80 * GiB - trainer["bytes"] - resident
+
+    def take_buffer(report):
+        def fn():
+            trainer["bytes"] += 2 * GiB
+            return 2 * GiB if report else None
+        return fn
+
+    emptied = []
+    monkeypatch.setattr(switch_mod, "aggressive_empty_cache", lambda: emptied.append(free()) or EmptyCacheResult())
+    sw = Switch(engine, engine.config, free_bytes=free)
+    sw.sleep()
+    sw.wake(while_resuming=take_buffer(True))  # 80 - 56 - 3 = 21 GiB free, 11 needed
+    assert sw.last_empty_cache["needed_bytes"] == 11 * GiB and sw.last_empty_cache["skipped"] is True
+    trainer["bytes"] = 54 * GiB
+    sw.sleep()
+    sw.wake(while_resuming=take_buffer(False))  # not reported: read as the weights' (3 + 2), 9 GiB "needed"
+    assert sw.last_empty_cache["needed_bytes"] == 9 * GiB

@@ -9,10 +9,10 @@ Which tags a sleep level releases and in which order a wake resumes them is :mod
 from __future__ import annotations
 
 import concurrent.futures
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from ..memory import KV_CACHE, WEIGHTS
-from ..twin import twin
+from ..twin import Step, twin
 from . import io_struct
 from .core import EngineCore, sigint_deferred
 
@@ -45,13 +45,22 @@ class MemoryCalls:
             self._last_op = fut
         return fut
 
-    def _memory_op(self, op: str, tags: Optional[Sequence[str]]):
+    def _memory_op(self, op: str, tags: Optional[Sequence[str]], meanwhile: Optional[Callable[[], Any]] = None):
         """The body of a release (``op="release"``) or a resume: settle, check and claim the transition,
-        send it, wait for SGLang's answer (which commits it)."""
+        send it, run ``meanwhile()`` (if given) while SGLang works, wait for SGLang's answer (which commits it)."""
         yield from self._settle()
         released = op == "release"
         tags = self.state.begin_release(tags) if released else self.state.begin_resume(tags)
-        yield self.waiting(self._start_op(op, tags, released=released))
+        fut = self._start_op(op, tags, released=released)
+        error: Optional[Exception] = None
+        if meanwhile is not None:
+            try:
+                yield Step.call(meanwhile)
+            except Exception as exc:  # noqa: BLE001 - raised once SGLang has answered (the state is then known)
+                error = exc
+        yield self.waiting(fut)
+        if error is not None:
+            raise error
         return tags
 
     def _release(self, tags: Optional[Sequence[str]] = None):
@@ -69,8 +78,16 @@ class MemoryCalls:
 
     release, async_release = twin(_release, before_sync=EngineCore._check_not_on_loop)
 
-    def _resume(self, tags: Optional[Sequence[str]] = None):
+    def _resume(self, tags: Optional[Sequence[str]] = None, meanwhile: Optional[Callable[[], Any]] = None):
         """Resume the memory of ``tags`` (None: all of this engine's tags).
+
+        Args:
+            tags: the tags to resume.
+            meanwhile: ``() -> None`` (or an awaitable, in the awaiting face), run in this process after the
+                resume is sent and before its answer is awaited, so its time overlaps SGLang's (the weight
+                sync gathers its first bucket there: :meth:`sgl_rollout.switch.Switch.wake`'s
+                ``while_resuming``). It must not call this engine (the resume is in progress). Its error is
+                raised after SGLang has answered, so the state is known whatever it raised.
 
         Returns:
             the tags resumed.
@@ -79,8 +96,9 @@ class MemoryCalls:
             MemoryStateError: a tag is resident or unknown, or another operation is in progress.
                 Nothing reaches the engine then.
             EngineDeadError, EngineClosedError: as every call.
+            whatever ``meanwhile`` raised (an ``Exception``), the resume done.
         """
-        return (yield from self._memory_op("resume", tags))
+        return (yield from self._memory_op("resume", tags, meanwhile))
 
     resume, async_resume = twin(_resume, before_sync=EngineCore._check_not_on_loop)
 

@@ -13,6 +13,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -111,15 +112,7 @@ class FastPathSender:
             dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             devices = [dev] * tp_size
         self.devices = [torch.device(d) for d in devices]
-        if tp_ranks is None:
-            tp_ranks, tp_size = range(len(self.devices)), len(self.devices)
-        self.tp_ranks = [int(r) for r in tp_ranks]
-        self._tp_size = int(tp_size)
-        if len(self.tp_ranks) != len(self.devices) or not all(0 <= r < self._tp_size for r in self.tp_ranks):
-            raise ValueError(f"tp_ranks {self.tp_ranks} must give one rank below tp_size {self._tp_size} per device "
-                             f"({len(self.devices)} devices)")
-        if len(set(self.tp_ranks)) < self._tp_size and share is None:
-            raise ValueError(f"serving TP ranks {self.tp_ranks} of {self._tp_size} needs share (the other ranks' senders)")
+        self.tp_ranks, self._tp_size = _served_ranks(len(self.devices), tp_ranks, tp_size, share is not None)
         self.share = share
         if gather not in GATHER_METHODS:
             raise ValueError(f"gather must be one of {GATHER_METHODS}, got {gather!r}")
@@ -216,20 +209,11 @@ class FastPathSender:
                                                                  flush_cache=False))
         m2 = time.monotonic()
         t2 = self._tick("call", t1)
-        bodies, errors = [], []
-        for i, r in enumerate(self.tp_ranks):
-            got, code, raw = _read_status(self._mem.status[i])
-            body = json.loads(raw) if raw and got == seq else {}
-            if got != seq:
-                errors.append(f"TP rank {r}: the fast-path loader did not answer (is {self.load_format} in the "
-                              "engine's custom_weight_loader?)")
-            elif code != OK:
-                errors.append(f"TP rank {r}: the fast-path loader failed inside SGLang: {body.get('error')}")
-            t_in, t_out = body.pop("t", (m1, m1))
-            if i == 0 and not errors:  # this process's first rank's split of the round trip (one CLOCK_MONOTONIC)
-                for part, secs in (("call.request", t_in - m1), ("call.loader", t_out - t_in), ("call.reply", m2 - t_out)):
-                    self.timings[part] = self.timings.get(part, 0.0) + secs
-            bodies.append(body)
+        bodies, errors, split = _read_answers(self._mem.status, self.tp_ranks, seq, self.load_format)
+        if split is not None:  # this process's first rank's split of the round trip (one CLOCK_MONOTONIC)
+            t_in, t_out = split
+            for part, secs in (("call.request", t_in - m1), ("call.loader", t_out - t_in), ("call.reply", m2 - t_out)):
+                self.timings[part] = self.timings.get(part, 0.0) + secs
         errors = [msg for part in self._agree([errors]) for msg in part]  # every process's, so all raise
         if errors:
             raise FastPathError("; ".join(errors))
@@ -275,8 +259,32 @@ class FastPathSender:
         return True
 
     # ------------------------------------------------------------- sync
+    def gather_ahead(self, named_tensors: Iterable[NamedTensor], validator=None) -> Optional["GatheredAhead"]:
+        """Gather the plan path's first bucket before the sync, without calling the engine: it may run
+        while SGLang resumes the weights (:meth:`Switch.wake <sgl_rollout.switch.Switch.wake>`'s
+        ``while_resuming``), so the gather (~2-3 ms for SmolLM2-135M under TRL on an H200) overlaps the
+        resume (~6 ms). Pass the result to :meth:`send` as ``ahead``; the stream is then read from it.
+
+        Returns:
+            the gathered bucket with the rest of the stream; None (nothing read) when the plan is not known
+            yet (the first sync asks for it inside the fence) or does not cover the model (the load path).
+
+        Raises:
+            SyncValidationError: as :meth:`send`, for the tensors the first bucket needs; nothing was sent.
+        """
+        if self.covered is not True or self.plan is None:
+            return None
+        self.timings = {}
+        t0 = self._t_mark = time.perf_counter()
+        with torch.no_grad():  # trainer parameters require grad; copies into the buffer must not record
+            feed = SourceFeed(named_tensors, validator, self.plan.program.steps.last_use)
+            first = self._fill_bucket(0, feed) if self.plan.program.n_buckets else None
+        self._tick("gather.ahead", t0)
+        return GatheredAhead(feed, first)
+
     def send(self, named_tensors: Iterable[NamedTensor], validator=None, partial: bool = False,
-             group_of: Optional[Callable[[str], object]] = None, release: bool = False) -> SyncStats:
+             group_of: Optional[Callable[[str], object]] = None, release: bool = False,
+             ahead: Optional["GatheredAhead"] = None) -> SyncStats:
         """Sync ``named_tensors`` (call inside a sync fence: :func:`~.driver.sync_fenced`).
 
         Args:
@@ -293,6 +301,9 @@ class FastPathSender:
             release: free the buffers after this sync. The plan path's last bucket asks the engine to close
                 its handles (:meth:`release`'s end state without its round trip: ~3 ms under TRL on an H200);
                 on the load path, or with no bucket sent, they stay for :meth:`release` (a no-op once freed).
+            ahead: :meth:`gather_ahead`'s result for this sync: its first bucket is sent as gathered and the
+                stream read on from it (``named_tensors`` and ``validator`` are then not read); its
+                timings are kept (``gather.ahead`` and its parts).
 
         Returns:
             SyncStats; ``bytes`` counts rank 0's bytes, ``max_bucket_bytes`` the largest buffer.
@@ -301,14 +312,20 @@ class FastPathSender:
             SyncValidationError: ``validator`` refused a tensor, or (full sync) names of the plan
                 never came; nothing of the bucket that needed them was sent.
             FastPathError: the loader failed inside SGLang (the engine lives; sync again).
+            ValueError: ``ahead`` with ``partial`` (a partial sync takes the load path).
         """
+        if ahead is not None and partial:
+            raise ValueError("a bucket gathered ahead is for the plan path; a partial sync takes the load path")
         t0 = self._t_mark = time.perf_counter()
-        self.timings = {}
+        if ahead is None:
+            self.timings = {}
         with torch.no_grad():  # trainer parameters require grad; copies into the buffer must not record
-            if partial or not self.ensure_plan():
+            if ahead is None and (partial or not self.ensure_plan()):
                 stats, closed = _send_load(self, named_tensors, validator, group_of), False
             else:
-                stats = self._send_plan(named_tensors, validator, release)
+                feed = ahead.feed if ahead is not None else SourceFeed(named_tensors, validator,
+                                                                       self.plan.program.steps.last_use)
+                stats = self._send_plan(feed, release, None if ahead is None else ahead.first)
                 closed = release and stats.n_buckets > 0
         if stats.n_buckets:
             self.engine.flush_cache()
@@ -334,26 +351,13 @@ class FastPathSender:
         """Op ``copy``'s header for served rank ``i`` and plan bucket ``b`` (-1: nothing for this rank)."""
         return dict(op="copy", plan_id=self.plan.plan_ids[i], bucket=b)
 
-    def _rank_bucket(self, i: int, r: int, b: int, write: Callable[[torch.Tensor], None]
-                     ) -> Tuple[dict, Optional[torch.Tensor]]:
-        """Served rank ``i`` (engine TP rank ``r``)'s header and buffer for plan bucket ``b``, ``write(buf)``
-        having filled the buffer (timed as ``gather.copy``); a no-op for a rank whose plan has fewer buckets."""
-        prog = self.plan.program
-        if b >= len(prog.ops[r]):
-            return self._copy_header(i, -1), None
-        t_alloc = time.perf_counter()
-        buf = self._mem.buffer(i, prog.buffer_bytes[r])
-        t_copy = self._tick("gather.alloc", t_alloc)
-        write(buf)
-        self._tick("gather.copy", t_copy)
-        return self._copy_header(i, b), buf
-
-    def _send_plan(self, named_tensors, validator, release: bool = False) -> SyncStats:
-        """Op ``copy``: the copy plan's buckets gathered into each served rank's buffer and scattered by
-        the engine, each in steps (:class:`GatherSteps`): a source is dropped once the step with its last
-        piece is gathered. ``release``: the last bucket's headers ask the engine to close its handles."""
-        feed = SourceFeed(named_tensors, validator, self.plan.program.steps.last_use)
-        stats = self._plan_rounds(lambda b: self._fill_bucket(b, feed), feed.finish, release)
+    def _send_plan(self, feed: "SourceFeed", release: bool = False, first: Optional[list] = None) -> SyncStats:
+        """Op ``copy``: the copy plan's buckets gathered from ``feed`` into each served rank's buffer and
+        scattered by the engine, each in steps (:class:`GatherSteps`): a source is dropped once the step with
+        its last piece is gathered. ``release``: the last bucket's headers ask the engine to close its handles.
+        ``first``: bucket 0's round, gathered ahead (:meth:`gather_ahead`)."""
+        stats = self._plan_rounds(lambda b: first if b == 0 and first is not None else self._fill_bucket(b, feed),
+                                  feed.finish, release)
         stats.n_tensors = feed.seen
         return stats
 
@@ -376,33 +380,6 @@ class FastPathSender:
 
         bucket_rounds(next_round=next_round, load=load)
         done()
-        return stats
-
-    def load_written(self, write: Callable[[int, torch.Tensor], None]) -> SyncStats:
-        """The plan path's bucket rounds for a sender that serves one TP rank and whose buckets are written
-        by someone else: ``write(b, buf)`` fills ``buf`` (``torch.uint8``, ``plan.bucket_sizes(r)[b]``
-        bytes of the persistent buffer) with bucket ``b``, then the engine scatters it. Call inside a sync
-        fence; the prefix cache is flushed after the last bucket. Timings restart (:attr:`timings`).
-
-        Returns:
-            SyncStats of the engine's rounds (``n_tensors`` 0: no tensor passes here).
-
-        Raises:
-            FastPathError: the loader failed inside SGLang; whatever ``write`` raised.
-        """
-        r = self.tp_ranks[0]
-        sizes = self.plan.program.sizes[r]
-        t0 = self._t_mark = time.perf_counter()
-        self.timings = {}
-
-        def fill(b: int) -> list:
-            return [self._rank_bucket(0, r, b, lambda buf: write(b, buf[: sizes[b]]))]
-
-        with torch.no_grad():
-            stats = self._plan_rounds(fill, lambda: None)
-        if stats.n_buckets:
-            self.engine.flush_cache()
-        stats.seconds = time.perf_counter() - t0
         return stats
 
     def scratch(self, nbytes: int) -> torch.Tensor:
@@ -449,6 +426,88 @@ class FastPathSender:
         if new_key:
             self.key = uuid.uuid4().hex
         self.covered, self.plan, self.reason = None, None, ""
+
+
+def load_written(sender: FastPathSender, write: Callable[[int, torch.Tensor], None]) -> SyncStats:
+    """The plan path's bucket rounds of ``sender``, which serves one TP rank and whose buckets are written by
+    someone else (the p2p receive, :mod:`.p2p`): ``write(b, buf)`` fills ``buf`` (``torch.uint8``,
+    ``plan.bucket_sizes(r)[b]`` bytes of the persistent buffer) with bucket ``b`` (timed as ``gather.copy``),
+    then the engine scatters it. Call inside a sync fence; the prefix cache is flushed after the last
+    bucket. The sender's timings restart (:attr:`FastPathSender.timings`).
+
+    Returns:
+        SyncStats of the engine's rounds (``n_tensors`` 0: no tensor passes here).
+
+    Raises:
+        FastPathError: the loader failed inside SGLang; whatever ``write`` raised.
+    """
+    r, prog = sender.tp_ranks[0], sender.plan.program
+    t0 = sender._t_mark = time.perf_counter()
+    sender.timings = {}
+
+    def fill(b: int) -> list:
+        if b >= len(prog.ops[r]):  # this rank's plan has fewer buckets: a no-op for it
+            return [(sender._copy_header(0, -1), None)]
+        t_alloc = time.perf_counter()
+        buf = sender._mem.buffer(0, prog.buffer_bytes[r])
+        t_copy = sender._tick("gather.alloc", t_alloc)
+        write(b, buf[: prog.sizes[r][b]])
+        sender._tick("gather.copy", t_copy)
+        return [(sender._copy_header(0, b), buf)]
+
+    with torch.no_grad():
+        stats = sender._plan_rounds(fill, lambda: None)
+    if stats.n_buckets:
+        sender.engine.flush_cache()
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _served_ranks(n_devices: int, tp_ranks: Optional[Sequence[int]], tp_size: int, shared: bool
+                  ) -> Tuple[List[int], int]:
+    """:class:`FastPathSender`'s TP ranks served and the engine's TP size, checked (its ``ValueError``s)."""
+    if tp_ranks is None:
+        tp_ranks, tp_size = range(n_devices), n_devices
+    ranks, tp_size = [int(r) for r in tp_ranks], int(tp_size)
+    if len(ranks) != n_devices or not all(0 <= r < tp_size for r in ranks):
+        raise ValueError(f"tp_ranks {ranks} must give one rank below tp_size {tp_size} per device ({n_devices} devices)")
+    if len(set(ranks)) < tp_size and not shared:
+        raise ValueError(f"serving TP ranks {ranks} of {tp_size} needs share (the other ranks' senders)")
+    return ranks, tp_size
+
+
+def _read_answers(status: List[torch.Tensor], tp_ranks: List[int], seq: int, load_format: str
+                  ) -> Tuple[List[dict], List[str], Optional[Tuple[float, float]]]:
+    """Each served rank's answer to call ``seq`` from its status block: the bodies, the errors ("TP rank r:
+    ...": no answer, or the loader's failure) and, when rank 0 answered OK, its loader's ``(t_in, t_out)``
+    (CLOCK_MONOTONIC seconds)."""
+    bodies, errors, split = [], [], None
+    for i, r in enumerate(tp_ranks):
+        got, code, raw = _read_status(status[i])
+        body = json.loads(raw) if raw and got == seq else {}
+        if got != seq:
+            errors.append(f"TP rank {r}: the fast-path loader did not answer (is {load_format} in the "
+                          "engine's custom_weight_loader?)")
+        elif code != OK:
+            errors.append(f"TP rank {r}: the fast-path loader failed inside SGLang: {body.get('error')}")
+        t = body.pop("t", None)
+        if i == 0 and not errors and t is not None:
+            split = (t[0], t[1])
+        bodies.append(body)
+    return bodies, errors, split
+
+
+@dataclass
+class GatheredAhead:
+    """The plan path's first bucket, gathered before its sync (:meth:`FastPathSender.gather_ahead`).
+
+    Attributes:
+        feed: the trainer's stream, read up to what bucket 0 needed (the sources later buckets need held).
+        first: bucket 0's round: each served rank's (header, buffer); None when the plan has no bucket.
+    """
+
+    feed: "SourceFeed"
+    first: Optional[list]
 
 
 def _send_load(sender: FastPathSender, named_tensors, validator, group_of=None) -> SyncStats:

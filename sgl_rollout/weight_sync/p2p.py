@@ -39,7 +39,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from .. import trace
-from .fast_path import FastPathError, FastPathSender, SendProgram, SourceFeed
+from .fast_path import FastPathError, FastPathSender, SendProgram, SourceFeed, load_written
 from .manifest import ParamSpec, SyncValidator, WeightManifest
 from .plan import Chunk, dtype_of, layout
 from .protocol import SyncStats
@@ -448,7 +448,7 @@ def receive_plan_buckets(sender: FastPathSender, receipt: PlanReceipt, info: Opt
         raise
     link = _Link(receipt, len(sender.plan.bucket_sizes(sender.tp_ranks[0])))
     try:
-        stats = sender.load_written(lambda b, buf: link.fill(0, b, buf))
+        stats = load_written(sender, lambda b, buf: link.fill(0, b, buf))
         link.finish(sender.scratch)
     except BaseException:
         receipt.group.broken = True

@@ -92,9 +92,10 @@ def _bit_exact(tmp_path, arch, tie, tp):
         worker.update_weights(_params(b), partial=True)
         worker.update_weights(_params(a))  # fast path over B again, then generate
         parts = {k: v for k, v in worker.last_phase_seconds.items() if k.startswith("sync.")}
-        # the plan path's gather in steps reads the stream between them (sync.gather.read)
+        # the plan path's gather in steps reads the stream between them (sync.gather.read); its first bucket
+        # was gathered while the weights resumed (sync.gather.ahead)
         assert set(parts) == {"sync.gather", "sync.gather.alloc", "sync.gather.read", "sync.gather.copy",
-                              "sync.gather.serialize", "sync.gather.wait", "sync.call", "sync.check",
+                              "sync.gather.ahead", "sync.gather.serialize", "sync.gather.wait", "sync.call", "sync.check",
                               "sync.call.request", "sync.call.loader", "sync.call.reply"} and parts["sync.call"] > 0, parts
         split = parts["sync.call.request"] + parts["sync.call.loader"] + parts["sync.call.reply"]
         assert 0 < parts["sync.call.loader"] and abs(split - parts["sync.call"]) < 0.2 * parts["sync.call"] + 1e-3, parts
