@@ -32,7 +32,8 @@ of SmolLM2 under TRL on one H200, ``examples/trl/``). Where this process has a C
 in the same process: TRL, the in-process worker) a sleep measures the device memory its release freed,
 and the wake the part its ``weights`` stage took back; when the device's free memory before step 4
 covers the rest (the KV cache and CUDA graphs) with :data:`EMPTY_CACHE_MARGIN_BYTES` to spare, step 3
-is skipped (``last_empty_cache["skipped"]``). Elsewhere (no context, a release not measured) it runs.
+is skipped (``last_empty_cache["skipped"]``). Elsewhere (no context, a release not measured, or
+``RolloutConfig(empty_cache="always")``) it runs.
 
 At no point do the trainer's parameters and the engine's KV cache sit on the GPU together, which is what
 lets the KV cache take a large memory fraction without an OOM at the switch.
@@ -328,7 +329,8 @@ class Switch:
             t0 = self.phase(name, t0)
         if empty_cache:
             free = None if still_released is None else self._free()
-            if free is not None and free >= still_released + self.empty_cache_margin_bytes:
+            auto = getattr(self.config, "empty_cache", "auto") == "auto"  # RolloutConfig.empty_cache
+            if auto and free is not None and free >= still_released + self.empty_cache_margin_bytes:
                 self.last_empty_cache = {"skipped": True, "free_bytes": free, "needed_bytes": still_released,
                                          "margin_bytes": self.empty_cache_margin_bytes}
                 self.phase("empty_cache", t0)

@@ -151,3 +151,15 @@ def test_the_greedy_check_counts_a_wrong_weight(tmp_path):
     trl_compare.run_side("ours", args, model_dir, tmp_path / "out", worker_factory=factory)
     greedy = json.loads((tmp_path / "out" / "ours.greedy.json").read_text())
     assert greedy["equal"] < greedy["prompts"] and greedy["max_gap"] > 0.5, greedy
+
+
+def test_side_ours_engine_settings_follow_the_command_line(tmp_path):
+    """``--empty-cache always`` reaches side ours' RolloutConfig (the wake then empties the cache every time,
+    to compare with the default skip); ``--enforce-eager`` and the GPU share too."""
+    args = build_parser().parse_args(["trl", "--empty-cache", "always", "--enforce-eager",
+                                      "--gpu-memory-utilization", "0.25"])
+    cfg = trl_compare.ours_rollout_config(args, str(tmp_path))
+    assert cfg.empty_cache == "always" and cfg.enforce_eager and cfg.gpu_memory_utilization == 0.25
+    assert trl_compare.ours_rollout_config(_args(), str(tmp_path)).empty_cache == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["trl", "--empty-cache", "never"])

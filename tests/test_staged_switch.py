@@ -146,6 +146,13 @@ def test_the_wake_skips_the_empty_cache_step_only_where_the_device_has_room_for_
     sw.wake()
     assert len(emptied) == 2
 
+    trainer["bytes"] = 40 * GiB
+    always = Switch(engine, engine.config.model_copy(update={"empty_cache": "always"}), free_bytes=free)
+    always.sleep()
+    always.wake()  # room enough (37 GiB free), but RolloutConfig(empty_cache="always"): emptied anyway
+    assert len(emptied) == 3 and "skipped" not in always.last_empty_cache
+    emptied.pop()
+
     unmeasured = Switch(engine, engine.config, free_bytes=lambda: None)  # no CUDA context here: never skipped
     unmeasured.sleep()
     unmeasured.wake()

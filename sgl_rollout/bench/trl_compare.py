@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="side ours without CUDA graphs (SGLang's disable_cuda_graph); by default its engine "
                         "captures them, as vLLM's colocate mode does, and releases them while it sleeps")
+    p.add_argument("--empty-cache", choices=("auto", "always"), default="auto",
+                   help="side ours: the wake's empty-cache step (RolloutConfig.empty_cache): skipped where the "
+                        "device has room (auto), or run at every wake (always)")
     p.add_argument("--vllm-pythonpath", default=None,
                    help="PYTHONPATH of side vllm's process (vLLM's own site first; it cannot share SGLang's); "
                         "default: the caller's")
@@ -134,6 +137,18 @@ def side_config(side: str, args: argparse.Namespace, cuda: bool, out_dir: Path) 
     return cfg
 
 
+def ours_rollout_config(args: argparse.Namespace, model_dir: str):
+    """Side ``ours``' :class:`~sgl_rollout.config.RolloutConfig`: the engine's share of the GPU, CUDA graphs
+    unless ``--enforce-eager``, the wake's ``--empty-cache`` step, and the engine flags ``bench verl`` and the
+    GPU tests pass (triton attention, pytorch sampling: what this project's GPU host runs, shared/gpu-overlay)."""
+    from ..config import RolloutConfig
+    from ..workloads import gpu_engine_flags
+
+    return RolloutConfig(model_path=model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
+                         enforce_eager=bool(args.enforce_eager), empty_cache=getattr(args, "empty_cache", "auto"),
+                         engine_kwargs=gpu_engine_flags())
+
+
 def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
              worker_factory: Optional[Callable[[str], object]] = None) -> List[dict]:
     """Train ``args.steps`` steps on ``side`` in this process; returns (and writes ``<out>/<side>.jsonl``)
@@ -157,18 +172,10 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
     data = problems_dataset(max(64, args.steps * args.batch), args.seed)
     common = dict(model=model_dir, reward_funcs=problem_reward, args=cfg, train_dataset=data)
     if side == "ours":
-        from ..config import RolloutConfig
         from ..integrations.trl import SglGRPOTrainer
 
         worker = worker_factory(model_dir) if worker_factory else None
-        from ..workloads import gpu_engine_flags
-
-        # the engine flags bench verl and the GPU tests pass (triton attention, pytorch sampling): what this
-        # project's GPU host runs (shared/gpu-overlay)
-        rollout = worker or RolloutConfig(model_path=model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
-                                          enforce_eager=bool(args.enforce_eager),
-                                          engine_kwargs=gpu_engine_flags())
-        trainer = SglGRPOTrainer(rollout=rollout, **common)
+        trainer = SglGRPOTrainer(rollout=worker or ours_rollout_config(args, model_dir), **common)
     else:
         trainer = GRPOTrainer(**common)
     now: Dict[str, Any] = {}
