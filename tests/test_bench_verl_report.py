@@ -236,6 +236,12 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     spans += [span("verl.acquire_server", 10.9 + 0.1 * i, 0.04 + 0.01 * i, pid=7) for i in range(3)]
     spans += [span("probe.loop_stall", 11.05, 0.03, pid=9), span("probe.loop_stall", 11.5, 0.12, pid=9),
               span("probe.loop_stall", 12.9, 0.5, pid=9)]
+    # verl's driver before step 1's first request: metrics and their log after the update, then the next
+    # batch and its hand-over to the agent loops (generate_sequences inside the submit); a log after the
+    # first request is not the lead-in's
+    spans += [span("verl.driver.compute_metrics", 10.5, 0.12, pid=5), span("verl.driver.log", 10.62, 0.03, pid=5),
+              span("verl.driver.next_batch", 10.66, 0.01, pid=5), span("verl.driver.submit", 10.67, 0.2, pid=5),
+              span("verl.driver.generate_sequences", 10.68, 0.18, pid=5), span("verl.driver.log", 11.2, 0.5, pid=5)]
     # step 2's single request, no sleep recorded
     spans += [span("sglang.generate_request", 31.5, 0.75, pid=9)]
     got = verl_report.gen_breakdown(spans)
@@ -243,7 +249,10 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     phases = {name: (secs, kids) for name, secs, kids in got[1]}
     secs, kids = phases["gen: update end -> first request"]
     assert secs == pytest.approx(0.5)
-    assert kids == {"verl.client_generate": pytest.approx(0.4), "server.generate": pytest.approx(0.5)}
+    assert kids == {"verl.client_generate": pytest.approx(0.4), "server.generate": pytest.approx(0.5),
+                    "driver: compute_metrics": pytest.approx(0.12), "driver: log": pytest.approx(0.03),
+                    "driver: next batch": pytest.approx(0.01), "driver: submit": pytest.approx(0.2),
+                    "driver: submit / generate_sequences": pytest.approx(0.18)}
     secs, kids = phases["gen: first request -> last answer"]
     assert secs == pytest.approx(1.4) and kids == {
         "requests": 3.0, "last request in": pytest.approx(0.2), "request median": pytest.approx(1.1),

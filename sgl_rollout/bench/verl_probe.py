@@ -54,6 +54,11 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   (``sglang.generate_request``; both sides call it once per request and take the first item);
   and the server actor's ``generate`` (verl's ``SGLangHttpServer``, wrapped, or this package's
   ``server.generate`` span: until the actor returns);
+* verl's driver (the TaskRunner), between an update's end and the next step's first request (verl
+  0.9.1's ``trainer.use_v1`` trainers, ``verl/trainer/ppo/v1/trainer_base.py``): ``PPOTrainer._compute_metrics``
+  (``verl.driver.compute_metrics``), ``Tracking.log`` (``verl.driver.log``), ``PPOTrainer._next_train_batch``
+  (``verl.driver.next_batch``), ``PPOTrainer._submit_batch_to_rollout`` (``verl.driver.submit``) and, inside it,
+  ``AgentLoopManager.generate_sequences`` (``verl.driver.generate_sequences``);
 * verl's agent-loop workers: ``LLMServerClient.generate`` per request (``verl.client_generate``, until
   the answer is back over Ray), and its round trip to verl's load balancer first
   (``LLMServerClient._acquire_server``: ``verl.acquire_server``);
@@ -609,6 +614,15 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
     # the client's round trip to verl's load balancer actor before it calls the server
     ("verl.workers.rollout.llm_server", "LLMServerClient._acquire_server", dict(name="verl.acquire_server")),
+    # the driver between one update's end and the next step's first request (verl 0.9.1's v1 trainers,
+    # verl/trainer/ppo/v1/trainer_base.py: PPOTrainer.fit records the step's metrics and logs them, then the
+    # next step's prepare_step fetches the batch and hands it to the agent-loop manager)
+    *[("verl.trainer.ppo.v1.trainer_base", f"PPOTrainer.{method}", dict(name=name)) for method, name in (
+        ("_compute_metrics", "verl.driver.compute_metrics"), ("_next_train_batch", "verl.driver.next_batch"),
+        ("_submit_batch_to_rollout", "verl.driver.submit"))],
+    ("verl.utils.tracking", "Tracking.log", dict(name="verl.driver.log")),
+    ("verl.experimental.agent_loop.agent_loop", "AgentLoopManager.generate_sequences",
+     dict(name="verl.driver.generate_sequences")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer.sample", dict(name="verl.replay_buffer.sample")),
     ("verl.trainer.ppo.v1.replay_buffer", "ReplayBuffer._wait_for_next_poll", dict(name="verl.replay_buffer.poll")),
     # verl's checkpoint engine (standalone replicas, the asynchronous trainers; issue 39: where

@@ -297,6 +297,13 @@ GEN_REQUEST = "sglang.generate_request"
 POLL = "verl.replay_buffer.poll"
 
 
+#: (label, span) of verl's driver between an update's end and the next step's first request
+#: (:mod:`.verl_probe`'s ``verl.driver.*`` spans): ``gen: update end -> first request``'s children.
+DRIVER_SPANS = (("compute_metrics", "verl.driver.compute_metrics"), ("log", "verl.driver.log"),
+                ("next batch", "verl.driver.next_batch"), ("submit", "verl.driver.submit"),
+                ("submit / generate_sequences", "verl.driver.generate_sequences"))
+
+
 def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[str, float]]]]:
     """Where each step's generation goes, from the per-request spans of the rollout's process.
 
@@ -308,7 +315,9 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     * ``gen: update end -> first request``: verl's own (the next batch, the agent-loop workers'
       dispatch); ``timing_s/gen`` starts inside it. Where the probe saw them, its children say when
       the step's first request left verl's client (``verl.client_generate``) and reached the server
-      actor (``server.generate``), s after the update's end;
+      actor (``server.generate``), s after the update's end, and how long verl's driver spent in each of
+      :data:`DRIVER_SPANS` before that first request (``driver: compute_metrics``, ``driver: log``,
+      ``driver: next batch``, ``driver: submit`` and within it ``driver: submit / generate_sequences``; s);
     * ``gen: first request -> last answer``: the rollout serving the step's requests
       (``{"requests": n, "last request in": s after the first, "request median": s}`` as children);
       with the client's and server's spans also ``client -> SGLang, k-th request`` and ``server ->
@@ -376,6 +385,10 @@ def _gen_serving(named: Dict[str, List[dict]], reqs: List[dict], t0: float, last
     """
     first = min(s["t0"] for s in reqs)
     lead_in: Dict[str, float] = {}
+    for label, name in DRIVER_SPANS:  # the driver's own work before the first request (seconds, summed)
+        inside = [s["dt"] for s in named.get(name, []) if t0 <= s["t0"] < first]
+        if inside:
+            lead_in[f"driver: {label}"] = sum(inside)
     serving = {"requests": float(len(reqs)), "last request in": max(s["t0"] for s in reqs) - first,
                "request median": med([s["dt"] for s in reqs])}
     arrivals = sorted(s["t0"] for s in reqs)
