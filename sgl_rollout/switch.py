@@ -329,8 +329,8 @@ class Switch:
             t0 = self.phase(name, t0)
         if empty_cache:
             free = None if still_released is None else self._free()
-            auto = getattr(self.config, "empty_cache", "auto") == "auto"  # RolloutConfig.empty_cache
-            if auto and free is not None and free >= still_released + self.empty_cache_margin_bytes:
+            if (self.config.empty_cache == "auto" and free is not None
+                    and free >= still_released + self.empty_cache_margin_bytes):
                 self.last_empty_cache = {"skipped": True, "free_bytes": free, "needed_bytes": still_released,
                                          "margin_bytes": self.empty_cache_margin_bytes}
                 self.phase("empty_cache", t0)

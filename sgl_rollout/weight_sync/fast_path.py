@@ -323,9 +323,9 @@ class FastPathSender:
             if ahead is None and (partial or not self.ensure_plan()):
                 stats, closed = _send_load(self, named_tensors, validator, group_of), False
             else:
-                feed = ahead.feed if ahead is not None else SourceFeed(named_tensors, validator,
-                                                                       self.plan.program.steps.last_use)
-                stats = self._send_plan(feed, release, None if ahead is None else ahead.first)
+                if ahead is None:
+                    ahead = GatheredAhead(SourceFeed(named_tensors, validator, self.plan.program.steps.last_use), None)
+                stats = self._send_plan(ahead.feed, release, ahead.first)
                 closed = release and stats.n_buckets > 0
         if stats.n_buckets:
             self.engine.flush_cache()
