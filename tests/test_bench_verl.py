@@ -5,6 +5,7 @@ request counts at verl's default log level."""
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -231,10 +232,24 @@ def test_stall_watchers_report_a_blocked_loop_and_a_held_gil(probe_dir, monkeypa
         return quiet
 
     quiet = asyncio.run(main())
+    # a long collection (the timer's callback driven by hand, automatic ones off): the GIL watcher writes it
+    on_gc = gc.callbacks[-1]
+    gc.disable()
+    try:
+        on_gc("start", {"generation": 2})
+        time.sleep(0.05)
+        on_gc("stop", {"generation": 2, "collected": 7})
+        on_gc("start", {"generation": 0})
+        on_gc("stop", {"generation": 0, "collected": 0})  # short: not written
+        time.sleep(0.05)
+    finally:
+        gc.enable()
     verl_probe._stall_stop.set()
-    assert sorted(quiet) == ["probe.stall_watch", "probe.stall_watch", "server.generate"]
+    assert sorted(quiet) == ["probe.stall_watch"] * 3 + ["server.generate"]
     got = spans_in(probe_dir)
-    assert sorted(s["watch"] for s in got if s["name"] == "probe.stall_watch") == ["gil", "loop"]
+    assert sorted(s["watch"] for s in got if s["name"] == "probe.stall_watch") == ["gc", "gil", "loop"]
+    (collection,) = [s for s in got if s["name"] == "probe.gc"]
+    assert 0.04 < collection["dt"] < 0.5 and (collection["generation"], collection["collected"]) == (2, 7)
     loop_stalls = [s for s in got if s["name"] == "probe.loop_stall"]
     gil_stalls = [s for s in got if s["name"] == "probe.gil_stall"]
     assert len(loop_stalls) == 2 and all(0.05 < s["dt"] < 0.5 for s in loop_stalls)
@@ -394,7 +409,7 @@ def test_the_servers_generate_span_is_recorded_with_its_error_and_starts_the_sta
     got = spans_in(probe_dir)
     assert [(s["name"], s.get("error")) for s in got if s["name"] != "probe.stall_watch"] == [
         ("server.generate", "NotImplementedError")]
-    assert sorted(s["watch"] for s in got if s["name"] == "probe.stall_watch") == ["gil", "loop"]
+    assert sorted(s["watch"] for s in got if s["name"] == "probe.stall_watch") == ["gc", "gil", "loop"]
 
 
 _IN_RAY = textwrap.dedent("""

@@ -258,7 +258,8 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
         "requests": 3.0, "last request in": pytest.approx(0.2), "request median": pytest.approx(1.1),
         "client -> SGLang, k-th request": pytest.approx(0.1), "server -> SGLang, k-th request": pytest.approx(0.0),
         "load-balancer round trip": pytest.approx(0.05), "loop stalls": 2.0, "longest loop stall": pytest.approx(0.12),
-        "GIL stalls": 0.0, "longest GIL stall": 0.0}
+        "GIL stalls": 0.0, "longest GIL stall": 0.0, "client sends: median": pytest.approx(0.1),
+        "client sends: slowest worker's median": pytest.approx(0.1)}
     secs, kids = phases["gen: last answer -> replica.sleep"]
     assert secs == pytest.approx(0.6)
     assert kids == {"server.generate returned": pytest.approx(0.1), "verl.client_generate returned": pytest.approx(0.2),
@@ -273,6 +274,39 @@ def test_gen_breakdown_splits_each_step_between_two_weight_updates():
     kids = {n: k for n, _s, k in verl_report.gen_breakdown(
         quiet + [span("probe.stall_watch", 10.9, 0.0, pid=9, watch="loop")])[1]}["gen: first request -> last answer"]
     assert kids["loop stalls"] == 0.0 and kids["GIL stalls"] == 0.0 and kids["longest loop stall"] == 0.0
+
+
+def test_gen_breakdown_tells_a_late_agent_loop_worker_and_its_stalls_from_the_engines():
+    """Two agent-loop workers (pids 7, 8) send a step's requests; worker 8 sends its own 0.3 s after the
+    first, and its loop stalls and collects garbage meanwhile. The client rows say so, the engine's (pid 9)
+    keep only the engine's stalls, and a role the probe did not watch gets no rows."""
+    def span(name, t0, dt, pid=1, **kw):
+        return {"name": name, "t0": t0, "dt": dt, "pid": pid, "rank": 0, **kw}
+
+    spans = [span("verl.update_weights", 10.0, 0.5, step=0)]
+    sends = [(7, 11.0), (7, 11.02), (7, 11.04), (8, 11.01), (8, 11.3), (8, 11.32)]
+    spans += [span("verl.client_generate", t, 1.0, pid=pid) for pid, t in sends]
+    spans += [span("sglang.generate_request", t + 0.1, 0.8, pid=9) for _pid, t in sends]
+    spans += [span("probe.stall_watch", 10.9, 0.0, pid=pid, watch=w) for pid in (7, 8, 9) for w in ("loop", "gil", "gc")]
+    spans += [span("probe.loop_stall", 11.05, 0.25, pid=8), span("probe.gc", 11.06, 0.2, pid=8, generation=2),
+              span("probe.gil_stall", 11.5, 0.04, pid=9)]
+    kids = {n: k for n, _s, k in verl_report.gen_breakdown(spans)[1]}["gen: first request -> last answer"]
+    assert kids["client sends: median"] == pytest.approx(0.03)
+    assert kids["client sends: slowest worker's median"] == pytest.approx(0.3)
+    assert (kids["loop stalls"], kids["GIL stalls"], kids["GC pauses"]) == (0.0, 1.0, 0.0)
+    assert kids["longest GIL stall"] == pytest.approx(0.04)
+    assert (kids["client loop stalls"], kids["client GIL stalls"], kids["client GC pauses"]) == (1.0, 0.0, 1.0)
+    assert kids["longest client loop stall"] == pytest.approx(0.25)
+    assert kids["longest client GC pause"] == pytest.approx(0.2)
+    # the workers not watched (a run recorded before they were): no client rows; the engine's stay
+    old = [s for s in spans if not (s["name"] == "probe.stall_watch" and s["pid"] in (7, 8))]
+    kids = {n: k for n, _s, k in verl_report.gen_breakdown(old)[1]}["gen: first request -> last answer"]
+    assert not [k for k in kids if k.startswith(("client loop", "client GIL", "client GC", "longest client"))]
+    assert kids["GIL stalls"] == 1.0 and kids["GC pauses"] == 0.0
+    runs = {side: {"gen_phases": {f"p / {k}": {"median": v} for k, v in kids.items()},
+                   "gen_phase_order": [f"p / {k}" for k in kids]} for side in ("builtin", "ours")}
+    table = "\n".join(verl_report._phase_table(runs, ["builtin", "ours"], "gen_phases", "gen_phase_order", "t"))
+    assert "| p / GC pauses | 0 | 0 |" in table and "| p / GIL stalls | 1 | 1 |" in table
 
 
 def test_a_run_without_request_spans_has_no_gen_table(tmp_path):

@@ -1,6 +1,7 @@
 """Helpers shared by the tests of ``bench verl`` against verl's own code: the probe's span folder, and
 each trainer's verl config composed from a side's command (hydra, verl 0.9.1's yaml files)."""
 
+import gc
 import json
 import os
 import threading
@@ -21,8 +22,9 @@ def spans_in(folder: Path) -> list:
 def probe_dir(tmp_path, monkeypatch):
     """The probe recording into ``tmp_path/spans`` for one test, uninstalled and its file closed after;
     stall watchers a wrapped call starts in the test are stopped after it (a watcher left running would
-    write its stalls into the next test's folder)."""
+    write its stalls into the next test's folder), and the garbage-collection timers it adds are removed."""
     stop = threading.Event()
+    gc_callbacks = list(gc.callbacks)
     monkeypatch.setenv(verl_probe.ENV_DIR, str(tmp_path / "spans"))
     monkeypatch.setattr(verl_probe, "_file", None)
     monkeypatch.setattr(verl_probe, "_installed", False)
@@ -31,6 +33,7 @@ def probe_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(verl_probe, "_gil_watch_started", False)
     yield tmp_path / "spans"
     stop.set()
+    gc.callbacks[:] = gc_callbacks
     verl_probe.uninstall()  # no listener left behind for the next test
     if verl_probe._file is not None:
         verl_probe._file.close()

@@ -62,9 +62,10 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
 * verl's agent-loop workers: ``LLMServerClient.generate`` per request (``verl.client_generate``, until
   the answer is back over Ray), and its round trip to verl's load balancer first
   (``LLMServerClient._acquire_server``: ``verl.acquire_server``);
-* stalls in the engine's process: its event loops and its GIL, each watched by a ticker that reports
-  waking more than :data:`STALL_S` late (``probe.loop_stall``, ``probe.gil_stall``; see
-  :func:`_watch_stalls`);
+* stalls in the engine's process and in verl's agent-loop workers: their event loops and their GIL, each
+  watched by a ticker that reports waking more than :data:`STALL_S` late (``probe.loop_stall``,
+  ``probe.gil_stall``; see :func:`_watch_stalls`), and the same processes' garbage collections longer than
+  :data:`STALL_S` (``probe.gc``, with ``generation`` and ``collected``; see :func:`_watch_gc`);
 * the driver (verl's TaskRunner), inside ``timing_s/gen``: the replay buffer of verl's default trainer
   (``trainer.use_v1``, ``verl/trainer/ppo/v1/replay_buffer.py``) waiting for the step's samples
   (``ReplayBuffer.sample``: ``verl.replay_buffer.sample``) and each of its polls
@@ -81,7 +82,9 @@ memory torch allocated and memory outside torch's allocator (CUDA context, loade
 
 from __future__ import annotations
 
+import collections
 import functools
+import gc
 import inspect
 import json
 import os
@@ -162,12 +165,14 @@ _stall_stop = threading.Event()
 
 
 def _watch_stalls() -> None:
-    """Start, once per event loop and once per process, the stall watchers of the engine's process.
+    """Start, once per event loop and once per process, the stall watchers of the engine's process and of
+    verl's agent-loop workers.
 
-    Called from the wrappers of verl's server actor's ``generate`` and SGLang's ``generate_request``, and
+    Called from the wrappers of verl's server actor's ``generate``, SGLang's ``generate_request`` and verl's
+    ``LLMServerClient.generate`` (the agent-loop worker's loop), and
     as this package's ``server.generate`` span ends (:func:`record_span`), so it runs on the actor's loop
     and on the loop SGLang's tokenizer manager runs on (the same loop for verl's server; this package's
-    engine thread otherwise). A task sleeping ``_TICK_S`` on that loop
+    engine thread otherwise). The process's collections are timed from then on too (:func:`_watch_gc`). A task sleeping ``_TICK_S`` on that loop
     emits ``probe.loop_stall`` (``dt``: how late it woke, ``thread``: the loop's thread) when it woke
     more than :data:`STALL_S` late: the loop ran something else that long. A daemon thread sleeping
     ``_TICK_S`` emits ``probe.gil_stall`` the same way: another thread of the process held the GIL
@@ -199,6 +204,7 @@ def _watch_stalls() -> None:
         emit("probe.stall_watch", time.time(), 0.0, watch="loop", thread=thread)
     if not _gil_watch_started:
         _gil_watch_started = True
+        pending = _watch_gc()
 
         def watch_gil():
             while not stop.is_set():
@@ -207,9 +213,38 @@ def _watch_stalls() -> None:
                 late = time.perf_counter() - c0 - _TICK_S
                 if late > STALL_S:
                     emit("probe.gil_stall", time.time() - late, late)
+                while pending:
+                    t0, dt, fields = pending.popleft()
+                    emit("probe.gc", t0, dt, **fields)
 
         threading.Thread(target=watch_gil, name="sgl-rollout-probe-gil", daemon=True).start()
         emit("probe.stall_watch", time.time(), 0.0, watch="gil")
+
+
+def _watch_gc() -> "collections.deque":
+    """Time this process's garbage collections (Python's ``gc.callbacks``), once per process.
+
+    A collection longer than :data:`STALL_S` is queued as ``(t0, dt, {"generation", "collected"})`` (wall-clock
+    start, seconds) on the returned deque, which the GIL watcher of :func:`_watch_stalls` drains into
+    ``probe.gc`` spans: the callback runs inside the collection, on whichever thread allocated, maybe while
+    that thread holds :func:`emit`'s lock, so it only appends. Emits ``probe.stall_watch`` (``watch="gc"``)
+    once, so a report can tell a watched process without long collections from an unwatched one.
+    """
+    pending: "collections.deque" = collections.deque()
+    started = [0.0]
+
+    def on_gc(phase: str, info: Dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif started[0]:
+            dt = time.perf_counter() - started[0]
+            if dt > STALL_S:
+                pending.append((time.time() - dt, dt, {"generation": info.get("generation"),
+                                                       "collected": info.get("collected")}))
+
+    gc.callbacks.append(on_gc)
+    emit("probe.stall_watch", time.time(), 0.0, watch="gc")
+    return pending
 
 
 #: NVML handle per GPU UUID (``"GPU-..."``), made once per process by :func:`_nvml_handle`.
@@ -611,7 +646,8 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     # sleep in verl 0.9.1)
     ("verl.workers.rollout.sglang_rollout.async_sglang_server", "SGLangHttpServer.generate",
      dict(name="server.generate", watch=True)),
-    ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate")),
+    # (the agent-loop worker's loop, GIL and collections are watched from its first request on)
+    ("verl.workers.rollout.llm_server", "LLMServerClient.generate", dict(name="verl.client_generate", watch=True)),
     # the client's round trip to verl's load balancer actor before it calls the server
     ("verl.workers.rollout.llm_server", "LLMServerClient._acquire_server", dict(name="verl.acquire_server")),
     # the driver between one update's end and the next step's first request (verl 0.9.1's v1 trainers,

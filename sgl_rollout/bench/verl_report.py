@@ -323,9 +323,10 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
       with the client's and server's spans also ``client -> SGLang, k-th request`` and ``server ->
       SGLang, k-th request`` (median over k of the k-th arrival at SGLang less the k-th send: the way
       in, without matching request ids), ``load-balancer round trip`` (median ``verl.acquire_server``),
-      and, in a run whose probe watched for stalls (``probe.stall_watch``; or, in runs recorded before
-      that span, saw one: ``probe.loop_stall``, ``probe.gil_stall``), their count and the longest (s)
-      from the update's end to the last answer;
+      when verl's agent-loop workers sent (:func:`_client_sends`), and, in a run whose probe watched for
+      stalls (``probe.stall_watch``; or, in runs recorded before that span, saw one: ``probe.loop_stall``,
+      ``probe.gil_stall``), their count and the longest (s) from the update's end to the last answer, the
+      engine's and the workers' apart, with long garbage collections where watched (:func:`_watched`);
     * ``gen: last answer -> replica.sleep``: the answers' way back to verl's driver; where the probe
       saw them, its children are ``server.generate returned`` and ``verl.client_generate returned``
       (s after the last answer until the server actor returned the last request, and until
@@ -400,11 +401,50 @@ def _gen_serving(named: Dict[str, List[dict]], reqs: List[dict], t0: float, last
     acquires = [s["dt"] for s in named.get("verl.acquire_server", []) if t0 <= s["t0"] < last]
     if acquires:
         serving["load-balancer round trip"] = med(acquires)
-    for label, name in (("loop", "probe.loop_stall"), ("GIL", "probe.gil_stall")) if stalls_seen else ():
-        seen = [s["dt"] for s in named.get(name, []) if t0 <= s["t0"] < last]
-        serving[f"{label} stalls"] = float(len(seen))
-        serving[f"longest {label} stall"] = max(seen, default=0.0)
+    serving.update(_client_sends(named, t0, last))
+    serving.update(_watched(named, t0, last, stalls_seen))
     return lead_in, serving
+
+
+def _client_sends(named: Dict[str, List[dict]], t0: float, last: float) -> Dict[str, float]:
+    """When verl's agent-loop workers sent the step's requests (``verl.client_generate`` starts between the
+    update's end ``t0`` and the last answer ``last``), s after the step's first send: ``client sends:
+    median`` over every request, and ``client sends: slowest worker's median`` (the largest of each
+    worker process's median). A worker that sends late delays the step's last request however fast the
+    server takes it. Empty without client spans."""
+    sends = [s for s in named.get("verl.client_generate", []) if t0 <= s["t0"] < last]
+    if not sends:
+        return {}
+    first = min(s["t0"] for s in sends)
+    by_worker: Dict[Any, List[float]] = {}
+    for s in sends:
+        by_worker.setdefault(s["pid"], []).append(s["t0"] - first)
+    return {"client sends: median": med([s["t0"] - first for s in sends]),
+            "client sends: slowest worker's median": max(med(v) for v in by_worker.values())}
+
+
+def _watched(named: Dict[str, List[dict]], t0: float, last: float, stalls_seen: bool) -> Dict[str, float]:
+    """The stalls and long garbage collections (:mod:`.verl_probe`'s ``probe.loop_stall``, ``probe.gil_stall``,
+    ``probe.gc``) between the update's end ``t0`` and the last answer ``last``, by role: the engine's
+    processes (``loop stalls``, ``GIL stalls``, ``GC pauses``, each with its ``longest ...``; s) and, as
+    ``client ...``, verl's agent-loop workers (the processes with ``verl.client_generate`` spans). A role's
+    rows are there only where the probe watched it (``probe.stall_watch``: ``loop`` and ``gil`` give the
+    stall rows, ``gc`` the GC rows; ``stalls_seen``: a run recorded before that span, whose stall spans
+    are the engine's)."""
+    clients = {s["pid"] for s in named.get("verl.client_generate", [])}
+    out: Dict[str, float] = {}
+    for role, mine in (("", lambda pid: pid not in clients), ("client ", lambda pid: pid in clients)):
+        watches = {s.get("watch") for s in named.get("probe.stall_watch", []) if mine(s["pid"])}
+        stalls = bool(watches & {"loop", "gil"}) or (not role and stalls_seen)
+        for label, name, shown, noun in (("loop", "probe.loop_stall", stalls, "stall"),
+                                          ("GIL", "probe.gil_stall", stalls, "stall"),
+                                          ("GC", "probe.gc", "gc" in watches, "pause")):
+            if not shown:
+                continue
+            seen = [s["dt"] for s in named.get(name, []) if mine(s["pid"]) and t0 <= s["t0"] < last]
+            out[f"{role}{label} {noun}s"] = float(len(seen))
+            out[f"longest {role}{label} {noun}"] = max(seen, default=0.0)
+    return out
 
 
 def _gen_way_back(named: Dict[str, List[dict]], t0: float, last: float, start: float) -> Dict[str, float]:
@@ -1358,7 +1398,8 @@ def _peak_process_table(runs: dict, cols: List[str]) -> List[str]:
 
 def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: str) -> List[str]:
     """Markdown lines of one breakdown: a row per phase of any side's ``order_key``, the median of
-    ``runs[side][key][phase]`` per side (ms; a ``/ requests``, ``/ polls`` or ``stalls`` row as a count); none
+    ``runs[side][key][phase]`` per side (ms; a ``/ requests``, ``/ polls``, ``stalls`` or ``pauses`` row as a
+    count); none
     without phases. A phase no side has a median for (seen only in the first step) gets no row."""
     labels = list(dict.fromkeys(n for s in cols for n in runs[s].get(order_key, [])))
     if not labels:
@@ -1366,7 +1407,7 @@ def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: s
     out = [title, "", "| phase | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
     for label in labels:
-        count = label.endswith((" / requests", " / polls", " stalls"))
+        count = label.endswith((" / requests", " / polls", " stalls", " pauses"))
         values = [runs[s].get(key, {}).get(label, {}).get("median") for s in cols]
         if all(v is None for v in values):
             continue
