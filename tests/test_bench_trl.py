@@ -2,6 +2,7 @@
 on an engine double), every step is recorded, and the comparison is summarized and printed."""
 
 import argparse
+import gc
 import json
 
 import torch
@@ -47,6 +48,8 @@ def test_both_sides_train_and_every_step_is_recorded(tmp_path):
     assert all(r["engine_gen_s"] is not None and r["sleep_s"] is not None
                and r["wake_s"] + r["engine_gen_s"] + r["sleep_s"] <= r["gen_s"] for r in ours)
     assert all(r["engine_gen_s"] is None and r["sleep_s"] is None for r in theirs)
+    # the garbage collection inside ours' wake is counted (maybe none on so short a run), none on theirs
+    assert all(0.0 <= r["sync_gc_s"] <= r["wake_s"] for r in ours) and all(r["sync_gc_s"] is None for r in theirs)
     # then the greedy check: a sync of the last weights, greedy on the engine, back to sleep
     assert workers[0].events == ["sync", "generate", "sleep"] * 3
     greedy = json.loads((tmp_path / "out" / "ours.greedy.json").read_text())
@@ -163,3 +166,24 @@ def test_side_ours_engine_settings_follow_the_command_line(tmp_path):
     assert trl_compare.ours_rollout_config(_args(), str(tmp_path)).empty_cache == "auto"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["trl", "--empty-cache", "never"])
+
+
+def test_the_garbage_collection_inside_a_timed_sync_is_counted_and_none_outside():
+    """``sync_gc_s`` holds the collections that ran inside the timed call only; the clock's callback is gone
+    once it is uninstalled."""
+    class Trainer:
+        def sync_weights(self):
+            gc.collect()
+
+    trainer, into, before = Trainer(), {}, list(gc.callbacks)
+    with trl_compare.GcClock() as clock:
+        trl_compare._timed(trainer, "sync_weights", into, "sync_s", clock=clock)
+        trainer.sync_weights()
+        inside = clock.seconds
+        gc.collect()  # outside the timed call
+    assert 0.0 < into["sync_gc_s"] == pytest.approx(inside) and into["sync_gc_s"] <= into["sync_s"]
+    assert clock.seconds > inside
+    assert gc.callbacks == before
+    total = clock.seconds
+    gc.collect()
+    assert clock.seconds == total  # not counted once uninstalled

@@ -12,7 +12,8 @@ weights pushed, the cache emptied; on side ``ours`` the phases ``resume_weights`
 ``release_sync_buffers`` and ``empty_cache`` of :meth:`RolloutWorker.update_weights`), ``wake_s`` (side ``ours``: the whole staged wake
 with its sync, the KV cache's and CUDA graphs' resume included, which vLLM does inside its generate),
 ``engine_gen_s`` and ``sleep_s`` (side ``ours``: the engine's generate call and its sleep, the rest of
-``gen_s`` being TRL's own), ``wake_phases`` (side ``ours``: the seconds of each phase of the step's last wake,
+``gen_s`` being TRL's own), ``sync_gc_s`` (seconds of Python garbage collection in the trainer's process
+during side ``ours``' wake or side ``vllm``'s ``sync_weights``: :class:`GcClock`), ``wake_phases`` (side ``ours``: the seconds of each phase of the step's last wake,
 :attr:`RolloutWorker.last_phase_seconds`, the sync's parts ``sync.*`` included),
 ``peak_gb`` (torch's peak allocated device memory in the trainer's process during the step, GB = 1e9
 bytes; the engine's own memory is in SGLang's processes and not in it) and ``reward`` (TRL's logged
@@ -36,6 +37,7 @@ printed table and the greedy check.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shlex
@@ -51,7 +53,7 @@ SIDES = ("ours", "vllm", "transformers")
 DEFAULT_SIDES = ("ours", "transformers")
 #: Per-step fields of a side's record, in the table's order; the table adds ``device_peak_gb`` (NVML's peak
 #: over the side's run, every process on its GPUs, the engine's included, in GB above what was in use before).
-FIELDS = ("step_s", "gen_s", "sync_s", "wake_s", "engine_gen_s", "sleep_s", "peak_gb", "reward")
+FIELDS = ("step_s", "gen_s", "sync_s", "wake_s", "engine_gen_s", "sleep_s", "sync_gc_s", "peak_gb", "reward")
 TABLE_FIELDS = FIELDS + ("device_peak_gb",)
 
 
@@ -106,18 +108,49 @@ def problem_reward(completions, answer, **kwargs) -> List[float]:
 SYNC_PHASES = ("resume_weights", "sync", "release_sync_buffers", "empty_cache")
 
 
+class GcClock:
+    """The seconds this process spends in Python's garbage collector, counted through ``gc.callbacks`` while
+    installed (``with GcClock() as clock:``). A collection is CPU time on whichever thread allocated, the
+    in-process engine's included, so one that falls inside a timed call lengthens it.
+
+    Attributes:
+        seconds: total seconds of the collections that ended while installed.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._t0: Optional[float] = None
+
+    def _on(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._on)
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        gc.callbacks.remove(self._on)
+
+
 def _timed(trainer, name: str, into: Dict[str, Any], key: str,
-           after: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
-    """Wrap ``trainer.<name>`` so that each call adds its seconds to ``into[key]``, then calls ``after(into)``
-    (when given) once the call returned or raised."""
+           after: Optional[Callable[[Dict[str, Any]], None]] = None, clock: Optional[GcClock] = None) -> None:
+    """Wrap ``trainer.<name>`` so that each call adds its seconds to ``into[key]`` (and, with ``clock``, the
+    seconds of garbage collection inside it to ``into["sync_gc_s"]``), then calls ``after(into)`` (when
+    given) once the call returned or raised."""
     inner = getattr(trainer, name)
 
     def timed(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0, gc0 = time.perf_counter(), clock.seconds if clock is not None else 0.0
         try:
             return inner(*args, **kwargs)
         finally:
             into[key] = into.get(key, 0.0) + time.perf_counter() - t0
+            if clock is not None:
+                into["sync_gc_s"] = into.get("sync_gc_s", 0.0) + clock.seconds - gc0
             if after is not None:
                 after(into)
 
@@ -180,6 +213,7 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
         trainer = GRPOTrainer(**common)
     now: Dict[str, Any] = {}
     rows: List[dict] = []
+    clock = GcClock()
     _timed(trainer, "_generate", now, "gen_s")
     if side == "ours":
         worker = trainer.sgl.worker
@@ -189,11 +223,11 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
             into["sync_s"] = into.get("sync_s", 0.0) + sum(phases.get(k, 0.0) for k in SYNC_PHASES)
             into["wake_phases"] = {k: round(v, 6) for k, v in phases.items()}  # the step's last wake, by phase
 
-        _timed(worker, "update_weights", now, "wake_s", after=sync_part)
+        _timed(worker, "update_weights", now, "wake_s", after=sync_part, clock=clock)
         _timed(worker, "generate", now, "engine_gen_s")
         _timed(worker, "sleep", now, "sleep_s")
     elif side == "vllm":
-        _timed(trainer.vllm_generation, "sync_weights", now, "sync_s")
+        _timed(trainer.vllm_generation, "sync_weights", now, "sync_s", clock=clock)
 
     class Record(TrainerCallback):
         def on_step_begin(self, *_a, **_k):
@@ -210,11 +244,13 @@ def run_side(side: str, args: argparse.Namespace, model_dir: str, out_dir: Path,
             rows.append({"step": state.global_step, "step_s": time.perf_counter() - now.get("t0", 0.0),
                          "gen_s": now.get("gen_s", 0.0), "sync_s": now.get("sync_s"), "wake_s": now.get("wake_s"),
                          "engine_gen_s": now.get("engine_gen_s"), "sleep_s": now.get("sleep_s"),
+                         "sync_gc_s": now.get("sync_gc_s"),
                          "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None, "reward": None,
                          "wake_phases": now.get("wake_phases")})
 
     trainer.add_callback(Record())
-    trainer.train()
+    with clock:
+        trainer.train()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{side}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if side == "ours":
