@@ -342,6 +342,9 @@ def visible_handles(nvml, cuda_visible_devices: Optional[str]) -> list:
 FAST_SYNC_OVERRIDE = "+actor_rollout_ref.rollout.engine_kwargs.sgl_rollout.fast_sync=true"
 #: The environment switch of the layered gather (``--ours-layered-gather`` sets it on sgl-rollout's side).
 GATHER_ENV = "SGLROLLOUT_LAYERED_GATHER"
+#: The environment switch of the trainer-cache guard (``--ours-trainer-empty-cache auto`` sets it on sgl-rollout's
+#: side; :mod:`sgl_rollout.integrations.verl_trainer_cache`).
+TRAINER_CACHE_ENV = "SGLROLLOUT_TRAINER_EMPTY_CACHE"
 #: The asynchronous trainers' checkpoint-engine key (``--ours-checkpoint-engine`` sets it on sgl-rollout's side).
 CKPT_BACKEND_KEY = "actor_rollout_ref.rollout.checkpoint_engine.backend"
 
@@ -353,7 +356,8 @@ def fast_sync_override(fast_sync: Optional[bool]) -> Optional[str]:
     return FAST_SYNC_OVERRIDE if fast_sync else FAST_SYNC_OVERRIDE.replace("=true", "=false")
 
 
-def differences(fast_sync: Optional[bool] = None, ours_backend: str = "nccl", layered_gather: bool = False) -> List[str]:
+def differences(fast_sync: Optional[bool] = None, ours_backend: str = "nccl", layered_gather: bool = False,
+                trainer_empty_cache: str = "always") -> List[str]:
     """What the two sides' commands differ in, each with the reason (printed and kept in the report)."""
     out = [f"VERL_USE_EXTERNAL_PLUGINS: {PLUGINS['builtin']} (built-in) vs {PLUGINS['ours']} (sgl-rollout): "
            "which rollout answers rollout.name=sglang; both run the timing probe (Ray's worker_process_setup_hook)",
@@ -370,6 +374,10 @@ def differences(fast_sync: Optional[bool] = None, ours_backend: str = "nccl", la
         out.append(f"{GATHER_ENV}=1 on sgl-rollout's side only (--ours-layered-gather): the trainer's weights "
                    "gathered one FSDP unit at a time (sgl_rollout.integrations.verl_gather) instead of verl's "
                    "per-tensor full_tensor()")
+    if trainer_empty_cache == "auto":
+        out.append(f"{TRAINER_CACHE_ENV}=auto on sgl-rollout's side only (--ours-trainer-empty-cache auto): verl's "
+                   "two empty_cache calls in its colocated update_weights skipped where the device has room for the "
+                   "engine's wake (sgl_rollout.integrations.verl_trainer_cache); the built-in's run them")
     return out
 
 
@@ -665,6 +673,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ours-layered-gather", action="store_true",
                    help="gather the trainer's FSDP2 weights one unit (layer) at a time on sgl-rollout's side "
                    "(sgl_rollout.integrations.verl_gather; issue 47 goal 2; off by default)")
+    p.add_argument("--ours-trainer-empty-cache", choices=("always", "auto"), default="always",
+                   help="verl's empty_cache calls in its colocated update_weights on sgl-rollout's side: run (always, "
+                   "verl's behaviour) or skipped where the device has room for the engine's wake (auto; "
+                   "sgl_rollout.integrations.verl_trainer_cache; issue 47 goal 2)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of --ngpus GPUs each; more than 1 joins the Ray "
                    "cluster RAY_ADDRESS names, or --simulate-nodes")
     p.add_argument("--simulate-nodes", action="store_true", help="with --nnodes N: make N Ray nodes of --ngpus "
@@ -877,6 +889,8 @@ def _run_one(args, out: Path, pair: int, side: str, run_dir: Path, model_dir: Pa
     data = run_dir / "data"
     if not data.exists():
         data.symlink_to(out / "data", target_is_directory=True)
+    if side == "ours" and getattr(args, "ours_trainer_empty_cache", "always") == "auto":
+        worker_env = {**worker_env, TRAINER_CACHE_ENV: "auto"}
     cmd = side_command(side, model_dir, run_dir, args.ngpus, args.tp, args.steps, args.gpu_memory_utilization,
                        args.overrides, fast_sync=args.fast_sync, task=args.task, nnodes=args.nnodes,
                        worker_env=worker_env, trainer=args.trainer, rollout_gpus=args.rollout_gpus,
@@ -958,7 +972,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     run_dirs, orders = plan_pairs(out, args.pairs, sides)
     diffs = differences(args.fast_sync, args.ours_checkpoint_engine if args.trainer != "sync" else "nccl",
-                        args.ours_layered_gather)
+                        args.ours_layered_gather, args.ours_trainer_empty_cache)
     config = {
         "title": args.title, "task": args.task, "model": str(model_dir),
         "random_weights": bool(args.random_model) or args.task == "shapes" or makes_own_tools_model(args),
@@ -969,6 +983,7 @@ def main(args: argparse.Namespace) -> int:
         "at_once": bool(args.at_once),
         "ours_checkpoint_engine": args.ours_checkpoint_engine if args.trainer != "sync" else None,
         "ours_layered_gather": bool(args.ours_layered_gather),
+        "ours_trainer_empty_cache": args.ours_trainer_empty_cache,
         "extra_overrides": list(args.overrides), "differences": diffs, "machine": _gpu_name(),
         "command": " ".join(["python -m sgl_rollout.bench verl", *(_quote(a) for a in argv_tail(sys.argv))]), "verl": _version("verl"), "sglang": _version("sglang"),
         "sgl_rollout": _version("sgl-rollout"),

@@ -58,7 +58,7 @@ from .verl_config import (
     rollout_config_for_verl,
 )
 from .verl_checkpoint_engine import WIRE_FORMAT as P2P_WIRE_FORMAT
-from . import verl_gather
+from . import verl_gather, verl_trainer_cache
 from .verl_server import server_name
 from .verl_weight_sync import VerlWeightSync, _drain
 
@@ -123,6 +123,8 @@ class SglRollout(VerlWeightSync, BaseRollout):
                                                       model_config=self.model_config)
         # inert unless SGLROLLOUT_LAYERED_GATHER=1: this trainer worker's FSDP engine gathers by unit
         verl_gather.install(rollout_dtype=self.rollout_config.dtype)
+        # inert unless SGLROLLOUT_TRAINER_EMPTY_CACHE=auto: verl's update_weights skips empty_cache where room is
+        verl_trainer_cache.install()
         self.sleep_level = self.rollout_config.sleep_level
         self.tp_size = self.rollout_config.tensor_model_parallel_size
         rank = int(os.environ.get("RANK", "0"))
