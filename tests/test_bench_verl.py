@@ -1170,3 +1170,24 @@ def test_the_server_args_target_is_sglangs_tokenizer_manager_in_both_releases():
         assert [a.arg for a in init.args.args[:2]] == ["self", "server_args"], path
     assert ("sglang.srt.managers.tokenizer_manager", "TokenizerManager.__init__") in [
         (m, p) for m, p, _how in verl_probe.TARGETS]
+
+
+def test_verls_key_renaming_is_timed_inside_an_update_only(probe_dir, monkeypatch):
+    """``convert_weight_keys`` of verl's FSDP engine module (inside ``get_per_tensor_param``) keeps its result
+    under the probe and is written only while an ``update_weights`` runs (the trainer renames keys elsewhere)."""
+    pytest.importorskip("verl")
+    from verl.workers.engine.fsdp import transformer_impl
+
+    monkeypatch.setattr(transformer_impl, "convert_weight_keys", transformer_impl.convert_weight_keys)
+    how = next(h for m, p, h in verl_probe.TARGETS if (m, p) == ("verl.workers.engine.fsdp.transformer_impl",
+                                                                  "convert_weight_keys"))
+    assert verl_probe._patch(transformer_impl, "convert_weight_keys", how)
+    state = {"model.w": 1}
+    assert transformer_impl.convert_weight_keys(state, types.SimpleNamespace()) == state  # outside: not written
+    monkeypatch.setattr(verl_probe, "_window", 0)
+    verl_probe._open_window(1)
+    try:
+        assert transformer_impl.convert_weight_keys(state, types.SimpleNamespace()) == state
+    finally:
+        verl_probe._open_window(-1)
+    assert [s["name"] for s in spans_in(probe_dir)] == ["verl.convert_weight_keys"]

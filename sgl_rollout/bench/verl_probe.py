@@ -33,7 +33,9 @@ where it comes from (verl 0.9.1, SGLang 0.5.10):
   (``verl.update_weights``, with ``step``); the FSDP engine's ``get_per_tensor_param``
   (``verl.get_per_tensor_param``) and its generator (``verl.weights`` busy); ``FSDPEngine.to``
   (``verl.engine_to``: the actor's offload); and, only while ``update_weights`` runs, torch's
-  ``empty_cache``, ``synchronize`` and ``barrier`` and verl's ``set_expandable_segments``;
+  ``empty_cache``, ``synchronize`` and ``barrier``, verl's ``set_expandable_segments``, its
+  ``convert_weight_keys`` (``verl.convert_weight_keys``, inside ``get_per_tensor_param``) and its
+  ``log_gpu_memory_usage`` calls (``verl.log_gpu_memory_usage``);
 * the rollout adapter in the trainer worker: verl's ``ServerAdapter``
   (``verl/workers/rollout/sglang_rollout/sglang_rollout.py``, wrapped) or this package's
   ``SglRollout`` (its spans): ``resume`` (``rollout.resume[<tags>]``), ``release``,
@@ -610,6 +612,12 @@ TARGETS: List[Tuple[str, str, Dict[str, Any]]] = [
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.get_per_tensor_param",
      dict(name="verl.get_per_tensor_param", result=_gen_result("verl.weights"))),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.to", dict(name="verl.engine_to")),
+    # inside get_per_tensor_param (what they leave is FSDP2's state_dict()) and between the update's calls:
+    # the key renaming and verl's memory logs (each reads the device's memory whatever the log level)
+    ("verl.workers.engine.fsdp.transformer_impl", "convert_weight_keys",
+     dict(name="verl.convert_weight_keys", window_only=True)),
+    *[(module, "log_gpu_memory_usage", dict(name="verl.log_gpu_memory_usage", window_only=True))
+      for module in ("verl.workers.engine.fsdp.transformer_impl", "verl.workers.engine_workers")],
     ("verl.workers.engine_workers", "set_expandable_segments", dict(name="verl.set_expandable_segments",
                                                                     window_only=True)),
     # torch calls verl's update_weights makes between the adapter's (looked up at call time)
