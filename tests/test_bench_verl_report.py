@@ -303,6 +303,10 @@ def test_gen_breakdown_tells_a_late_agent_loop_worker_and_its_stalls_from_the_en
     kids = {n: k for n, _s, k in verl_report.gen_breakdown(old)[1]}["gen: first request -> last answer"]
     assert not [k for k in kids if k.startswith(("client loop", "client GIL", "client GC", "longest client"))]
     assert kids["GIL stalls"] == 1.0 and kids["GC pauses"] == 0.0
+    # only the workers watched: no engine rows (the engine's stalls are not "none seen")
+    clients_only = [s for s in spans if not (s["name"] == "probe.stall_watch" and s["pid"] == 9)]
+    only = {n: k for n, _s, k in verl_report.gen_breakdown(clients_only)[1]}["gen: first request -> last answer"]
+    assert "GIL stalls" not in only and "loop stalls" not in only and only["client loop stalls"] == 1.0
     runs = {side: {"gen_phases": {f"p / {k}": {"median": v} for k, v in kids.items()},
                    "gen_phase_order": [f"p / {k}" for k in kids]} for side in ("builtin", "ours")}
     table = "\n".join(verl_report._phase_table(runs, ["builtin", "ours"], "gen_phases", "gen_phase_order", "t"))

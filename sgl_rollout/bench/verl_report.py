@@ -435,7 +435,8 @@ def _watched(named: Dict[str, List[dict]], t0: float, last: float, stalls_seen: 
     out: Dict[str, float] = {}
     for role, mine in (("", lambda pid: pid not in clients), ("client ", lambda pid: pid in clients)):
         watches = {s.get("watch") for s in named.get("probe.stall_watch", []) if mine(s["pid"])}
-        stalls = bool(watches & {"loop", "gil"}) or (not role and stalls_seen)
+        legacy = not role and stalls_seen and not named.get("probe.stall_watch")
+        stalls = bool(watches & {"loop", "gil"}) or legacy
         for label, name, shown, noun in (("loop", "probe.loop_stall", stalls, "stall"),
                                           ("GIL", "probe.gil_stall", stalls, "stall"),
                                           ("GC", "probe.gc", "gc" in watches, "pause")):
@@ -1399,8 +1400,7 @@ def _peak_process_table(runs: dict, cols: List[str]) -> List[str]:
 def _phase_table(runs: dict, cols: List[str], key: str, order_key: str, title: str) -> List[str]:
     """Markdown lines of one breakdown: a row per phase of any side's ``order_key``, the median of
     ``runs[side][key][phase]`` per side (ms; a ``/ requests``, ``/ polls``, ``stalls`` or ``pauses`` row as a
-    count); none
-    without phases. A phase no side has a median for (seen only in the first step) gets no row."""
+    count); none without phases. A phase no side has a median for (seen only in the first step) gets no row."""
     labels = list(dict.fromkeys(n for s in cols for n in runs[s].get(order_key, [])))
     if not labels:
         return []
