@@ -88,8 +88,8 @@ def guarded(monkeypatch):
     monkeypatch.setattr(torch.distributed, "barrier", lambda *a, **k: None)
     monkeypatch.setattr(Worker, "update_weights", Worker.update_weights)  # restored after: install wraps it
     window = verl_trainer_cache.TrainerCacheWindow()
-    assert verl_trainer_cache.install(Worker, engine_workers, window)
-    assert verl_trainer_cache.install(Worker, engine_workers, window)  # idempotent
+    assert verl_trainer_cache.install(SglRollout, Worker, engine_workers, window)
+    assert verl_trainer_cache.install(SglRollout, Worker, engine_workers, window)  # idempotent
     rollout = object.__new__(Rollout)
     rollout.events = []
     return device, window, rollout

@@ -13,7 +13,8 @@ weights pushed, the cache emptied; on side ``ours`` the phases ``resume_weights`
 with its sync, the KV cache's and CUDA graphs' resume included, which vLLM does inside its generate),
 ``engine_gen_s`` and ``sleep_s`` (side ``ours``: the engine's generate call and its sleep, the rest of
 ``gen_s`` being TRL's own), ``sync_gc_s`` (seconds of Python garbage collection in the trainer's process
-during side ``ours``' wake or side ``vllm``'s ``sync_weights``: :class:`GcClock`), ``wake_phases`` (side ``ours``: the seconds of each phase of the step's last wake,
+during side ``ours``' wake or side ``vllm``'s ``sync_weights``: :class:`GcClock`), ``wake_phases`` (side
+``ours``: the seconds of each phase of the step's last wake,
 :attr:`RolloutWorker.last_phase_seconds`, the sync's parts ``sync.*`` included),
 ``peak_gb`` (torch's peak allocated device memory in the trainer's process during the step, GB = 1e9
 bytes; the engine's own memory is in SGLang's processes and not in it) and ``reward`` (TRL's logged

@@ -124,7 +124,7 @@ class SglRollout(VerlWeightSync, BaseRollout):
         # inert unless SGLROLLOUT_LAYERED_GATHER=1: this trainer worker's FSDP engine gathers by unit
         verl_gather.install(rollout_dtype=self.rollout_config.dtype)
         # inert unless SGLROLLOUT_TRAINER_EMPTY_CACHE=auto: verl's update_weights skips empty_cache where room is
-        verl_trainer_cache.install()
+        verl_trainer_cache.install(SglRollout)
         self.sleep_level = self.rollout_config.sleep_level
         self.tp_size = self.rollout_config.tensor_model_parallel_size
         rank = int(os.environ.get("RANK", "0"))

@@ -94,12 +94,10 @@ _ACTIVE: contextvars.ContextVar[Optional[TrainerCacheWindow]] = contextvars.Cont
 _WINDOW = TrainerCacheWindow()
 
 
-def _naive(worker, mode: str) -> bool:
+def _naive(worker, mode: str, rollout_class: type) -> bool:
     """Whether this ``update_weights(mode=...)`` call takes verl's colocated (``naive``) path, the one
-    that empties the cache, with this package's rollout."""
-    from .verl_rollout import SglRollout
-
-    if not isinstance(getattr(worker, "rollout", None), SglRollout):
+    that empties the cache, with a rollout of ``rollout_class`` (this package's)."""
+    if not isinstance(getattr(worker, "rollout", None), rollout_class):
         return False
     if mode != "auto":
         return mode == "naive"
@@ -119,12 +117,14 @@ async def _measure_room(device, window: TrainerCacheWindow) -> None:
     window.room_bytes, window.total_bytes = int(device.memory_reserved()) + int(free), int(total)
 
 
-def install(worker_class=None, module=None, window: Optional[TrainerCacheWindow] = None) -> bool:
+def install(rollout_class: type, worker_class=None, module=None, window: Optional[TrainerCacheWindow] = None) -> bool:
     """Wrap verl's ``ActorRolloutRefWorker.update_weights`` (or ``worker_class``'s) and the
     ``get_torch_device`` that ``module`` (default ``verl.workers.engine_workers``) calls, as the module
     docstring says. Idempotent; inert unless :data:`ENV` is ``auto`` at the call.
 
     Args:
+        rollout_class: this package's rollout class (:class:`~.verl_rollout.SglRollout`, which installs
+            this in its ``__init__``); a worker whose ``rollout`` is not one keeps verl's behaviour.
         window: the process's :class:`TrainerCacheWindow` (tests; default the module's).
 
     Returns:
@@ -150,7 +150,7 @@ def install(worker_class=None, module=None, window: Optional[TrainerCacheWindow]
 
     @functools.wraps(original)
     async def update_weights(self, global_steps: Optional[int] = None, mode: str = "auto", **kwargs):
-        if os.environ.get(ENV, "").strip() != "auto" or not _naive(self, mode):
+        if os.environ.get(ENV, "").strip() != "auto" or not _naive(self, mode, rollout_class):
             return await original(self, global_steps=global_steps, mode=mode, **kwargs)
         token = _ACTIVE.set(window)
         try:
