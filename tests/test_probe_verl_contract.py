@@ -135,6 +135,18 @@ def test_the_first_wrapper_broke_update_weights_as_verl_did_on_the_gpu(probe_dir
 
 
 # ------------------------------------------------------------------ every verl target keeps its kind
+def _imported_from(mod: str, node: ast.ImportFrom) -> str:
+    """The absolute module an ``ImportFrom`` of module ``mod`` reads (``from .x import`` and ``from ..x
+    import`` resolved against ``mod``'s package)."""
+    if not node.level:
+        return node.module
+    spec = importlib.util.find_spec(mod)
+    package = mod if spec.submodule_search_locations else mod.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
 def _kind_in_source(mod: str, path: str):
     """(``"def"`` | ``"async def"`` | ``"async gen"``, decorated with ``auto_await``) of ``mod.path`` read in
     verl's source (modules that cannot import here, SGLang's serving stack or cupy, included)."""
@@ -146,7 +158,14 @@ def _kind_in_source(mod: str, path: str):
         for node in body:
             if isinstance(node, ast.ImportFrom) and any((a.asname or a.name) == name for a in node.names):
                 real = next(a.name for a in node.names if (a.asname or a.name) == name)
-                return _kind_in_source(node.module, real)
+                return _kind_in_source(_imported_from(mod, node), real)
+        if not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in body):
+            for node in body:  # ``from x import *`` (verl.utils.debug re-exports verl.utils.profiler so)
+                if isinstance(node, ast.ImportFrom) and [a.name for a in node.names] == ["*"]:
+                    try:
+                        return _kind_in_source(_imported_from(mod, node), name)
+                    except StopIteration:
+                        continue
     for owner in owners:
         body = next(n.body for n in body if isinstance(n, ast.ClassDef) and n.name == owner)
     node = next(n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name)
