@@ -14,6 +14,7 @@ pytest.importorskip("trl")
 from test_trl import WorkerDouble  # noqa: E402
 
 from sgl_rollout.bench import trl_compare  # noqa: E402
+from sgl_rollout.bench.processes import GcClock  # noqa: E402
 from sgl_rollout.bench.__main__ import build_parser  # noqa: E402
 from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir  # noqa: E402
 
@@ -176,7 +177,7 @@ def test_the_garbage_collection_inside_a_timed_sync_is_counted_and_none_outside(
             gc.collect()
 
     trainer, into, before = Trainer(), {}, list(gc.callbacks)
-    with trl_compare.GcClock() as clock:
+    with GcClock() as clock:
         trl_compare._timed(trainer, "sync_weights", into, "sync_s", clock=clock)
         trainer.sync_weights()
         inside = clock.seconds

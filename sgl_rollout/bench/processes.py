@@ -1,10 +1,62 @@
-"""Process roles for the device-memory tables of ``bench verl`` (:mod:`.verl_compare`'s NVML sampler and
-:mod:`.verl_probe`'s memory snapshots): a GPU process named by what it is, the same in every run."""
+"""Process-level helpers of the benchmarks: process roles for the device-memory tables of ``bench verl``
+(:mod:`.verl_compare`'s NVML sampler and :mod:`.verl_probe`'s memory snapshots: a GPU process named by what
+it is, the same in every run), and the time a process spends in Python's garbage collector
+(:class:`GcClock`: ``bench trl``'s ``sync_gc_s``, the probe's ``probe.gc`` spans)."""
 
 from __future__ import annotations
 
+import gc
 import os
+import time
 from pathlib import Path
+from typing import Callable, Optional
+
+
+class GcClock:
+    """The seconds this process spends in Python's garbage collector, counted through ``gc.callbacks`` while
+    installed (``with GcClock() as clock:``, or :meth:`install` for the process's life). A collection is CPU
+    time on whichever thread allocated, an in-process engine's included, so one that falls inside a timed
+    call lengthens it.
+
+    Args:
+        on_collection: ``(t0, dt, info) -> None`` called as each collection ends: its wall-clock start
+            (``time.time()`` seconds), its duration (seconds) and ``gc.callbacks``' ``info`` (``generation``,
+            ``collected``, ``uncollectable``). It runs inside the collection, on the thread that triggered it
+            (maybe one holding a lock of the caller's): keep it to an append.
+
+    Attributes:
+        seconds: total seconds of the collections that ended while installed.
+    """
+
+    def __init__(self, on_collection: Optional[Callable[[float, float, dict], None]] = None):
+        self.seconds = 0.0
+        self.on_collection = on_collection
+        self._t0: Optional[float] = None
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt = time.perf_counter() - self._t0
+            self._t0 = None
+            self.seconds += dt
+            if self.on_collection is not None:
+                self.on_collection(time.time() - dt, dt, info)
+
+    def install(self) -> "GcClock":
+        """Start counting (append the callback to ``gc.callbacks``)."""
+        gc.callbacks.append(self._on)
+        return self
+
+    def uninstall(self) -> None:
+        """Stop counting (remove the callback)."""
+        gc.callbacks.remove(self._on)
+
+    def __enter__(self) -> "GcClock":
+        return self.install()
+
+    def __exit__(self, *_exc) -> None:
+        self.uninstall()
 
 
 def process_name(pid: int, proc: str = "/proc") -> str:

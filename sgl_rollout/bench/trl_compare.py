@@ -13,7 +13,7 @@ weights pushed, the cache emptied; on side ``ours`` the phases ``resume_weights`
 with its sync, the KV cache's and CUDA graphs' resume included, which vLLM does inside its generate),
 ``engine_gen_s`` and ``sleep_s`` (side ``ours``: the engine's generate call and its sleep, the rest of
 ``gen_s`` being TRL's own), ``sync_gc_s`` (seconds of Python garbage collection in the trainer's process
-during side ``ours``' wake or side ``vllm``'s ``sync_weights``: :class:`GcClock`), ``wake_phases`` (side
+during side ``ours``' wake or side ``vllm``'s ``sync_weights``: :class:`~.processes.GcClock`), ``wake_phases`` (side
 ``ours``: the seconds of each phase of the step's last wake,
 :attr:`RolloutWorker.last_phase_seconds`, the sync's parts ``sync.*`` included),
 ``peak_gb`` (torch's peak allocated device memory in the trainer's process during the step, GB = 1e9
@@ -38,7 +38,6 @@ printed table and the greedy check.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shlex
@@ -48,6 +47,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .processes import GcClock
 
 #: The sides a run can name, in the order they run (``--sides`` picks; the default leaves ``vllm`` out).
 SIDES = ("ours", "vllm", "transformers")
@@ -107,34 +108,6 @@ def problem_reward(completions, answer, **kwargs) -> List[float]:
 #: TRL's ``VLLMGeneration.sync_weights`` does on vLLM: the weights' memory back, the push, the cache emptied;
 #: and the freeing of the fast path's buffers, which vLLM's push has no need of.
 SYNC_PHASES = ("resume_weights", "sync", "release_sync_buffers", "empty_cache")
-
-
-class GcClock:
-    """The seconds this process spends in Python's garbage collector, counted through ``gc.callbacks`` while
-    installed (``with GcClock() as clock:``). A collection is CPU time on whichever thread allocated, the
-    in-process engine's included, so one that falls inside a timed call lengthens it.
-
-    Attributes:
-        seconds: total seconds of the collections that ended while installed.
-    """
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._t0: Optional[float] = None
-
-    def _on(self, phase: str, _info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            self.seconds += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def __enter__(self) -> "GcClock":
-        gc.callbacks.append(self._on)
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        gc.callbacks.remove(self._on)
 
 
 def _timed(trainer, name: str, into: Dict[str, Any], key: str,

@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import gc
 import inspect
 import json
 import os
@@ -98,6 +97,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import trace
+from .processes import GcClock
 
 #: Environment variable naming the folder the spans go to; unset, the probe installs nothing.
 ENV_DIR = "SGLROLLOUT_PROBE_DIR"
@@ -224,7 +224,7 @@ def _watch_stalls() -> None:
 
 
 def _watch_gc() -> "collections.deque":
-    """Time this process's garbage collections (Python's ``gc.callbacks``), once per process.
+    """Time this process's garbage collections (:class:`~.processes.GcClock`), once per process.
 
     A collection longer than :data:`STALL_S` is queued as ``(t0, dt, {"generation", "collected"})`` (wall-clock
     start, seconds) on the returned deque, which the GIL watcher of :func:`_watch_stalls` drains into
@@ -233,18 +233,12 @@ def _watch_gc() -> "collections.deque":
     once, so a report can tell a watched process without long collections from an unwatched one.
     """
     pending: "collections.deque" = collections.deque()
-    started = [0.0]
 
-    def on_gc(phase: str, info: Dict[str, Any]) -> None:
-        if phase == "start":
-            started[0] = time.perf_counter()
-        elif started[0]:
-            dt = time.perf_counter() - started[0]
-            if dt > STALL_S:
-                pending.append((time.time() - dt, dt, {"generation": info.get("generation"),
-                                                       "collected": info.get("collected")}))
+    def queue_long(t0: float, dt: float, info: dict) -> None:
+        if dt > STALL_S:
+            pending.append((t0, dt, {"generation": info.get("generation"), "collected": info.get("collected")}))
 
-    gc.callbacks.append(on_gc)
+    GcClock(on_collection=queue_long).install()
     emit("probe.stall_watch", time.time(), 0.0, watch="gc")
     return pending
 
