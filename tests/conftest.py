@@ -10,6 +10,14 @@ from _sglang_cpu import ensure_sglang_importable  # noqa: E402
 ensure_sglang_importable()
 
 
+@pytest.fixture(autouse=True)
+def _agent_loop_heap_not_frozen(monkeypatch):
+    """Tests that build verl's real ``AgentLoopWorker`` for ``rollout.name=sglang`` would freeze the test
+    process's heap (``sgl_rollout.integrations.verl_agent_loop``) for every later test; off unless a test
+    turns it on (``tests/test_verl_agent_loop.py``)."""
+    monkeypatch.setenv("SGLROLLOUT_AGENT_LOOP_FREEZE_GC", "0")
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random Llama (``bench.LLAMA_TINY``, bf16, weights saved) with the demo's byte-level

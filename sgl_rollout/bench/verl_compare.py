@@ -676,7 +676,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ours-trainer-empty-cache", choices=("always", "auto"), default="always",
                    help="verl's empty_cache calls in its colocated update_weights on sgl-rollout's side: run (always, "
                    "verl's behaviour) or skipped where the device has room for the engine's wake (auto; "
-                   "sgl_rollout.integrations.verl_trainer_cache; issue 47 goal 2)")
+                   "sgl_rollout.integrations.verl_trainer_cache; issue 47 goal 2; measured a net loss on the step: "
+                   "docs/verl.md)")
     p.add_argument("--nnodes", type=int, default=1, help="nodes of --ngpus GPUs each; more than 1 joins the Ray "
                    "cluster RAY_ADDRESS names, or --simulate-nodes")
     p.add_argument("--simulate-nodes", action="store_true", help="with --nnodes N: make N Ray nodes of --ngpus "

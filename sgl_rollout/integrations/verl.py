@@ -63,8 +63,9 @@ def trl_conflict() -> Optional[str]:
 
 
 def register() -> bool:
-    """Point verl's ("sglang", "async") rollout and "sglang" replica at this package, and register its
-    checkpoint-engine backend ``sgl_rollout`` (:mod:`.verl_checkpoint_engine`).
+    """Point verl's ("sglang", "async") rollout and "sglang" replica at this package, register its
+    checkpoint-engine backend ``sgl_rollout`` (:mod:`.verl_checkpoint_engine`), and hook verl's agent-loop
+    workers so that their heap is frozen once built (:mod:`.verl_agent_loop`).
 
     Returns:
         True when registered; False when verl's registries could not be reached (logged at WARNING
@@ -85,6 +86,12 @@ def register() -> bool:
     except Exception as e:  # noqa: BLE001 - the rollout is registered; only this backend is missing
         logger.warning("sgl-rollout could not register checkpoint_engine.backend=sgl_rollout with verl: %r", e,
                        exc_info=True)
+    try:
+        from . import verl_agent_loop
+
+        verl_agent_loop.install()  # freeze verl's agent-loop workers' heap once built (verl_agent_loop.py)
+    except Exception as e:  # noqa: BLE001 - the rollout is registered; only the workers' freeze is missing
+        logger.warning("sgl-rollout could not hook verl's agent-loop workers: %r", e, exc_info=True)
     conflict = trl_conflict()
     if conflict:
         logger.warning("sgl-rollout: %s", conflict)

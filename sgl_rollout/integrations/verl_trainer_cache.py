@@ -17,10 +17,15 @@ memory is static while it is awake (SGLang's weights, KV pool and CUDA graphs), 
 within that room leaves the engine what it had then, and :data:`HEADROOM` (a share of the device) keeps
 room for the engine's activations during generation and for variation. The first update of a run (no
 room measured yet), any other backend and any other rollout keep verl's behaviour. So does the default
-(:data:`ENV` unset or ``always``): this has not yet run on a GPU.
+(:data:`ENV` unset or ``always``).
 
 What it costs: the trainer's cache stays reserved through generation, so the device's peak memory grows by
-about what verl would have emptied.
+about what verl would have emptied. Measured on one H200 (1.1B, TP=1, 2026-11-29,
+``examples/verl/compare/colocated-1b-random-h200/``), it cost more than it saved: at SGLang's
+``gpu_memory_utilization`` 0.5 the room never fitted training's 86 GB cache, so nothing was skipped; at 0.25
+the first call was skipped and ``timing_s/update_weights`` fell from about 0.40 to 0.093 s, but the
+trainer's process grew to the whole device (140 GB) and ``timing_s/step`` rose from 19.8 to 23.5 s
+(``update_actor`` 8.4 to 10.9 s). Not recommended; kept opt-in for that measurement's sake.
 """
 
 from __future__ import annotations
