@@ -402,11 +402,12 @@ def _adapter_rig(n_trainers=2, tp=2, refuse=()):
     return models, server, adapters, gloo_groups(n_trainers + tp)
 
 
-def _adapter_sync(adapters, groups, streams, steps=7):
+def _adapter_sync(adapters, groups, streams, steps=7, on_plan=None):
     import asyncio
 
     a, tp = len(streams), len(adapters)
-    trainers = [lambda j=j: send_plan_buckets(groups[j], [(a + k, k) for k in range(tp) if k % a == j], streams[j])
+    trainers = [lambda j=j: send_plan_buckets(groups[j], [(a + k, k) for k in range(tp) if k % a == j], streams[j],
+                                              on_plan=on_plan and (lambda plan, j=j: on_plan(j, plan)))
                 for j in range(a)]
     rollouts = [lambda k=k: asyncio.run(adapters[k]._receive_plan(PlanReceipt(groups[a + k], source=k % a, index=k),
                                                                   steps)) for k in range(tp)]
@@ -424,6 +425,29 @@ def test_the_adapter_receives_in_the_engines_fence_and_frees_its_buffer(ray_get)
     assert server.finished() == [True, True] and [a.base_syncs for a in adapters] == [2, 2]
     steps = [kw.get("global_steps") for m, kw in server.calls if m == "finish_weight_sync"]
     assert steps == [1, 2]
+
+
+def test_the_trainer_learns_the_rollouts_dtype_from_its_plan_before_reading_its_weights(ray_get, monkeypatch):
+    """The rollout publishes its weight dtype with its plan; each trainer rank sees it before its stream is read,
+    and the checkpoint engine hands it to the gather by FSDP unit (verl_gather), which then narrows to it."""
+    import torch
+
+    from sgl_rollout.integrations import verl_checkpoint_engine, verl_gather
+
+    models, server, adapters, groups = _adapter_rig()
+    w = hf_weights(seed=4, **KW)
+    streams, seen = [Counting(w), Counting(w)], []
+    out = _adapter_sync(adapters, groups, [iter(st) for st in streams],
+                        on_plan=lambda j, plan: seen.append((j, plan.get("dtype"), streams[j].read)))
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert sorted(seen) == [(0, adapters[0].rollout_config.dtype, 0), (1, adapters[1].rollout_config.dtype, 0)]
+    assert_same_params(models, reference(2, w, **KW))
+    monkeypatch.setattr(verl_gather, "_ROLLOUT_DTYPE", None)
+    verl_checkpoint_engine._tell_gather({"dtype": "bfloat16"})
+    assert verl_gather._ROLLOUT_DTYPE is torch.bfloat16
+    for plan in ({}, {"dtype": "auto"}):  # an older rollout's plan, or SGLang's "auto": nothing narrows
+        verl_checkpoint_engine._tell_gather(plan)
+        assert verl_gather._ROLLOUT_DTYPE is None
 
 
 def test_a_refused_fence_tells_the_trainers_and_nothing_hangs(ray_get):

@@ -73,8 +73,8 @@ def ray_get(monkeypatch):
 def rank_adapters(server, group, tp_size, manifest, bucket_bytes):
     """One adapter and fast-path sender per TP rank, as ``SglRollout._fast_sender`` makes them
     (on the CPU here)."""
-    config = SimpleNamespace(fast_sync=True, bucket_bytes=bucket_bytes, layered_summon=False, validate_sync=True,
-                             free_cache_engine=True, tensor_model_parallel_size=tp_size,
+    config = SimpleNamespace(fast_sync=True, bucket_bytes=bucket_bytes, dtype="bfloat16", layered_summon=False,
+                             validate_sync=True, free_cache_engine=True, tensor_model_parallel_size=tp_size,
                              to_server_args=lambda: {"custom_weight_loader": [FAST_SYNC_LOADER]})
     out = []
     for r in range(tp_size):

@@ -202,7 +202,7 @@ class SglRolloutCheckpointEngine(CheckpointEngine):
             RuntimeError: called before :meth:`init_process_group` (``weights`` read to the end first).
             SyncValidationError, TrainerRefused: see :func:`~sgl_rollout.weight_sync.p2p.send_plan_buckets`.
         """
-        stats = send_plan_buckets(self._group, self.peers, weights, renamer=_renamer)
+        stats = send_plan_buckets(self._group, self.peers, weights, renamer=_renamer, on_plan=_tell_gather)
         return {"sgl_rollout/send_s": stats.seconds, "sgl_rollout/send_bytes": float(stats.bytes)}
 
     def receive_weights(self, global_steps: Optional[int] = None) -> PlanReceipt:
@@ -231,6 +231,15 @@ def _renamer(plan: dict):
     or None."""
     path = plan.get("model_path")
     return _renamer_of(path, bool(plan.get("trust_remote_code"))) if path else None
+
+
+def _tell_gather(plan: dict) -> None:
+    """Give the trainer's gather by FSDP unit (:mod:`.verl_gather`, ``SGLROLLOUT_LAYERED_GATHER=1``) the rollout's
+    weight dtype from its plan (``dtype``, :meth:`~.verl_weight_sync.VerlWeightSync._receive_plan`): units whose
+    compute dtype is that one all-gather in it, as the colocated rollout lets them. Inert without that switch."""
+    from . import verl_gather
+
+    verl_gather.set_rollout_dtype(plan.get("dtype"))
 
 
 def register() -> bool:

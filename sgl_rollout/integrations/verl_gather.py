@@ -9,12 +9,16 @@ same values, but all-gathers each FSDP unit's parameters at once with FSDP2's ow
 (one collective per unit), copies them out, and ``reshard()``s the unit before the next one: at most one
 unit's unsharded parameters are held besides what the consumer keeps. Under mixed precision FSDP2 gathers in
 the compute dtype (bf16 for fp32 parameters): that stands for the parameters only where the rollout holds that
-dtype (the colocated rollout says which, :func:`install`), else the unit is read per tensor as verl does.
+dtype (the colocated rollout says which at start, :func:`install`; the checkpoint engine ``sgl_rollout``'s
+trainer side learns it from the rollout's copy plan, :func:`set_rollout_dtype`), else the unit is read per
+tensor as verl does.
 
 :func:`install` puts it behind verl's method for the runs that ask for it (``SGLROLLOUT_LAYERED_GATHER=1`` in
 the trainer workers' environment; ``bench verl --ours-layered-gather``) and can use it: FSDP2, no LoRA, no
-QAT, parameters on the GPU. Everything else keeps verl's own stream. Off by default: it has run on the CPU
-only (``tests/test_verl_gather.py``, FSDP2 over gloo).
+QAT, parameters on the GPU. Everything else keeps verl's own stream. Off by default: on 4×H200 (colocated,
+1.1B at TP=2, 2026-11-28) it gave no gain (``timing_s/update_weights`` 0.746 against 0.730 s,
+``examples/verl/compare/colocated-1b-random-tp2-h200x4-layered/``); it has not run behind the checkpoint
+engine ``sgl_rollout``. CPU tests: ``tests/test_verl_gather.py`` (FSDP2 over gloo).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ logger = logging.getLogger(__name__)
 #: The environment switch :func:`install`'s wrapper reads in each trainer worker at every call.
 ENV = "SGLROLLOUT_LAYERED_GATHER"
 
-__all__ = ["ENV", "install", "layered_full_tensors", "unit_of"]
+__all__ = ["ENV", "install", "layered_full_tensors", "set_rollout_dtype", "unit_of"]
 
 
 def unit_of(module, keys=None) -> Dict[str, Any]:
@@ -137,9 +141,21 @@ def _stream(engine) -> Iterator[Tuple[str, Any]]:
     return unfuse_moe_params(named, engine.model_config.hf_config.model_type)
 
 
-#: The rollout engine's dtype in this process (:func:`install`'s ``rollout_dtype``): units whose compute dtype is
-#: it may send it; None (unknown, e.g. a checkpoint engine's trainer side): every unit sends its parameters' dtype.
+#: The rollout engine's dtype in this process (:func:`install`'s ``rollout_dtype``, or :func:`set_rollout_dtype`):
+#: units whose compute dtype is it may send it; None (unknown): every unit sends its parameters' dtype.
 _ROLLOUT_DTYPE = None
+
+
+def set_rollout_dtype(name: Optional[str]) -> None:
+    """Tell this process's gather the rollout's weight dtype (``"bfloat16"``, ...; torch's name), read at each
+    unit as the stream goes: the colocated rollout knows it at start (:func:`install`), a checkpoint engine's
+    trainer side learns it from the rollout's copy plan before it reads the stream
+    (:mod:`.verl_checkpoint_engine`). None or a name torch does not know: unknown (no unit narrows)."""
+    global _ROLLOUT_DTYPE
+    import torch
+
+    dtype = getattr(torch, str(name), None) if name is not None else None
+    _ROLLOUT_DTYPE = dtype if isinstance(dtype, torch.dtype) else None
 
 
 def install(engine_class=None, rollout_dtype: Optional[str] = None) -> bool:
@@ -151,12 +167,8 @@ def install(engine_class=None, rollout_dtype: Optional[str] = None) -> bool:
     Returns:
         True when installed (now or before); False when verl's FSDP engine cannot be imported.
     """
-    global _ROLLOUT_DTYPE
     if rollout_dtype is not None:
-        import torch
-
-        dtype = getattr(torch, str(rollout_dtype), None)
-        _ROLLOUT_DTYPE = dtype if isinstance(dtype, torch.dtype) else None
+        set_rollout_dtype(rollout_dtype)
     if engine_class is None:
         try:
             from verl.workers.engine.fsdp.transformer_impl import FSDPEngine as engine_class

@@ -228,7 +228,8 @@ class VerlWeightSync:
                    "a weight manifest, CUDA on every TP rank)")
             receipt.refuse(why)
             raise FastPathError(why)
-        info = dict(model_path=self._sync_path.model_path, trust_remote_code=self._sync_path.trust_remote_code)
+        info = dict(model_path=self._sync_path.model_path, trust_remote_code=self._sync_path.trust_remote_code,
+                    dtype=self.rollout_config.dtype)  # the trainer's gather by unit may all-gather in it
 
         started = False
 

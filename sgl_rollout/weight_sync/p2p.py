@@ -252,12 +252,14 @@ def _drain(named_tensors) -> None:
 
 
 def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_tensors: Iterable,
-                      renamer: Optional[Callable[[dict], Optional[Callable[[str, torch.Tensor], list]]]] = None
-                      ) -> SyncStats:
+                      renamer: Optional[Callable[[dict], Optional[Callable[[str, torch.Tensor], list]]]] = None,
+                      on_plan: Optional[Callable[[dict], None]] = None) -> SyncStats:
     """One sync from this trainer rank to its rollout TP ranks ``peers`` (``(group rank, rollout index)``):
     read each one's plan from the store (:func:`plan_key`), pack and send its buckets, end each link.
     ``renamer(plan)`` gives the trainer-to-checkpoint tensor renamer (:class:`PlanPacker`'s ``rename``) for the
-    model the first plan names (its ``model_path``; None: names unchanged).
+    model the first plan names (its ``model_path``; None: names unchanged). ``on_plan(plan)`` is called with the
+    first plan before ``named_tensors`` is read (what the stream's producer may want to know of the rollout,
+    such as its ``dtype``).
 
     A rank without peers reads ``named_tensors`` to the end and sends nothing.
 
@@ -293,6 +295,8 @@ def send_plan_buckets(group: PeerGroup, peers: Sequence[Tuple[int, int]], named_
                     for (_, index), p in zip(peers, plans) if p is None]
         if refused:
             raise TrainerRefused("; ".join(refused))
+        if on_plan is not None:
+            on_plan(plans[0])
         items = iter(named_tensors)  # inside the try: weights that are not iterable end every link too
         packer = PlanPacker(plans, group.device, renamer(plans[0]) if renamer is not None else None)
         for d, b, view in packer.buckets(items):
