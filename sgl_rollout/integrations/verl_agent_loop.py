@@ -5,10 +5,11 @@ verl 0.9.1 sends every rollout request from a few ``AgentLoopWorker`` Ray actors
 (``verl/experimental/agent_loop/agent_loop.py``; the one-step-off and fully-async trainers subclass it).
 Each holds the tokenizer, the processor, the dataset class, the tools and every module of torch,
 transformers, Ray and verl: hundreds of thousands of objects that live until the process ends, and that every
-full (generation-2) collection walks again. ``bench verl``'s probe timed such collections at 314-372 ms in
-these workers (2026-11-29, one H200, ``examples/verl/compare/colocated-1b-random-h200/``; 719 objects
-collected each time), on verl's built-in rollout as on this package's. The worker that collects sends nothing
-meanwhile, so the step's last request reaches SGLang that much later.
+full (generation-2) collection walks again. ``bench verl``'s probe timed such collections at 0.31-0.48 s in
+these workers, one or two per worker over a 4-step run (2026-11-29, one H200,
+``examples/verl/compare/colocated-1b-random-h200/``), on verl's built-in rollout as on this package's. The
+worker that collects sends nothing meanwhile: where that falls among a step's requests, the step's last
+request reaches SGLang that much later.
 
 :func:`install` registers a post-import hook on verl's agent-loop module (``wrapt``) that wraps
 ``AgentLoopWorker.__init__`` and ``AgentLoopWorker.generate_sequences``: when the worker serves
