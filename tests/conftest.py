@@ -15,7 +15,9 @@ def _agent_loop_heap_not_frozen(monkeypatch):
     """Tests that build verl's real ``AgentLoopWorker`` for ``rollout.name=sglang`` would freeze the test
     process's heap (``sgl_rollout.integrations.verl_agent_loop``) for every later test; off unless a test
     turns it on (``tests/test_verl_agent_loop.py``)."""
-    monkeypatch.setenv("SGLROLLOUT_AGENT_LOOP_FREEZE_GC", "0")
+    from sgl_rollout.integrations.verl_agent_loop import ENV
+
+    monkeypatch.setenv(ENV, "0")
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from fakes import verl_server  # noqa: E402
 from sgl_rollout.bench import agent_task  # noqa: E402
 from sgl_rollout.bench.chat_tokenizer import build_chat_model_dir, build_chat_tokenizer  # noqa: E402
 from sgl_rollout.integrations import verl_agent_loop  # noqa: E402
+from sgl_rollout.integrations.verl import NAME  # noqa: E402
 from test_agent_task import _config  # noqa: E402
 from test_multimodal import _verl_client  # noqa: E402
 
@@ -26,7 +27,7 @@ _CHECK = """
 import gc, sys
 import verl.experimental.agent_loop.agent_loop as m
 from sgl_rollout.integrations import verl_agent_loop as v
-print(bool(getattr(m.AgentLoopWorker.__init__, v._MARK, False)))
+print(bool(getattr(m.AgentLoopWorker.__init__, v._WRAPPED, False)))
 w = type("W", (), {})()
 before = gc.get_freeze_count()
 v._freeze(w, "built")
@@ -91,7 +92,7 @@ def test_verls_worker_freezes_once_built_and_once_after_its_first_batch(tmp_path
                                                                         name, switch, frozen):
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
-    assert verl_agent_loop.patch(AgentLoopWorker)  # the plugin's hook did it at import already: idempotent
+    assert verl_agent_loop.patch(AgentLoopWorker, NAME)  # the plugin's hook did it at import already: idempotent
     calls = []
     monkeypatch.setattr(verl_agent_loop, "freeze_long_lived", lambda: calls.append(len(calls)) or 0)
     monkeypatch.setenv(verl_agent_loop.ENV, switch)
@@ -119,10 +120,11 @@ def test_a_failing_freeze_does_not_fail_the_rollout(tmp_path, plain_requests, mo
 def test_serves_this_rollout_reads_the_name_and_never_raises(monkeypatch):
     monkeypatch.delenv(verl_agent_loop.ENV, raising=False)
     cfg = types.SimpleNamespace(actor_rollout_ref=types.SimpleNamespace(rollout=types.SimpleNamespace(name="sglang")))
-    assert verl_agent_loop.serves_this_rollout(cfg)
-    assert not verl_agent_loop.serves_this_rollout(object())
+    assert verl_agent_loop.serves_this_rollout(cfg, NAME)
+    assert not verl_agent_loop.serves_this_rollout(cfg, "vllm")
+    assert not verl_agent_loop.serves_this_rollout(object(), NAME)
     monkeypatch.setenv(verl_agent_loop.ENV, "0")
-    assert not verl_agent_loop.serves_this_rollout(cfg)
+    assert not verl_agent_loop.serves_this_rollout(cfg, NAME)
 
 
 def test_a_class_without_verls_methods_is_left_alone():
@@ -130,5 +132,5 @@ def test_a_class_without_verls_methods_is_left_alone():
         def __init__(self, config):
             pass
 
-    assert not verl_agent_loop.patch(Other)
-    assert Other.__init__.__name__ == "__init__" and not getattr(Other.__init__, verl_agent_loop._MARK, False)
+    assert not verl_agent_loop.patch(Other, NAME)
+    assert Other.__init__.__name__ == "__init__" and not getattr(Other.__init__, verl_agent_loop._WRAPPED, False)

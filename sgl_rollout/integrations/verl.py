@@ -89,7 +89,7 @@ def register() -> bool:
     try:
         from . import verl_agent_loop
 
-        verl_agent_loop.install()  # freeze verl's agent-loop workers' heap once built (verl_agent_loop.py)
+        verl_agent_loop.install(NAME)  # freeze verl's agent-loop workers' heap once built (verl_agent_loop.py)
     except Exception as e:  # noqa: BLE001 - the rollout is registered; only the workers' freeze is missing
         logger.warning("sgl-rollout could not hook verl's agent-loop workers: %r", e, exc_info=True)
     conflict = trl_conflict()

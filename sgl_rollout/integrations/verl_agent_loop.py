@@ -42,29 +42,32 @@ logger = logging.getLogger(__name__)
 ENV = "SGLROLLOUT_AGENT_LOOP_FREEZE_GC"
 #: The module that defines verl's ``AgentLoopWorker``.
 MODULE = "verl.experimental.agent_loop.agent_loop"
-#: The rollout name this package answers (:data:`sgl_rollout.integrations.verl.NAME`).
-ROLLOUT_NAME = "sglang"
-_MARK = "__sgl_rollout_freeze_gc__"
+#: A worker's instance-dict key: the set of freezes done (``"built"``, ``"first batch"``), or None for a worker of
+#: another rollout (never frozen).
+_FROZEN = "__sgl_rollout_frozen__"
+#: Set on :func:`patch`'s ``__init__`` wrapper: the class is patched already.
+_WRAPPED = "_sgl_rollout_freeze_gc"
 
 __all__ = ["ENV", "MODULE", "install", "patch", "serves_this_rollout"]
 
 
-def serves_this_rollout(config: Any) -> bool:
+def serves_this_rollout(config: Any, rollout_name: str) -> bool:
     """Whether an agent-loop worker built with verl's ``config`` (the whole trainer config, as
-    ``AgentLoopWorker.__init__`` takes it) sends to this package's rollout and :data:`ENV` allows freezing.
-    Never raises: a config without ``actor_rollout_ref.rollout.name`` answers False."""
+    ``AgentLoopWorker.__init__`` takes it) sends to ``rollout_name`` (this package's:
+    :data:`sgl_rollout.integrations.verl.NAME`) and :data:`ENV` allows freezing. Never raises: a config without
+    ``actor_rollout_ref.rollout.name`` answers False."""
     if os.environ.get(ENV, "1").strip() == "0":
         return False
     try:
         name = config.actor_rollout_ref.rollout.name
     except Exception:  # noqa: BLE001 - any config shape verl may pass
         return False
-    return name == ROLLOUT_NAME
+    return name == rollout_name
 
 
 def _freeze(worker: Any, when: str) -> None:
     """Freeze once per ``when`` for this worker; never raises (the worker's job goes on unfrozen)."""
-    done = worker.__dict__.setdefault(_MARK, set())
+    done = worker.__dict__.setdefault(_FROZEN, set())
     if when in done:
         return
     done.add(when)
@@ -75,9 +78,9 @@ def _freeze(worker: Any, when: str) -> None:
         logger.warning("sgl-rollout: could not freeze the agent-loop worker's heap (%s)", when, exc_info=True)
 
 
-def patch(worker_cls: type) -> bool:
+def patch(worker_cls: type, rollout_name: str) -> bool:
     """Wrap ``worker_cls.__init__`` and ``worker_cls.generate_sequences`` (verl's ``AgentLoopWorker``) as the
-    module docstring says; idempotent.
+    module docstring says, for workers of ``rollout_name`` (:func:`serves_this_rollout`); idempotent.
 
     Returns:
         True when wrapped (now or before); False when the class lacks either method (nothing changed).
@@ -85,40 +88,41 @@ def patch(worker_cls: type) -> bool:
     init, gen = worker_cls.__dict__.get("__init__"), worker_cls.__dict__.get("generate_sequences")
     if init is None or gen is None:
         return False
-    if getattr(init, _MARK, False):
+    if getattr(init, _WRAPPED, False):
         return True
 
     @functools.wraps(init)
     def __init__(self, config, *args, **kwargs):
         init(self, config, *args, **kwargs)
-        if serves_this_rollout(config):
+        if serves_this_rollout(config, rollout_name):
             _freeze(self, "built")
         else:
-            self.__dict__[_MARK] = None  # another rollout: never freeze this worker
+            self.__dict__[_FROZEN] = None  # another rollout: never freeze this worker
 
     @functools.wraps(gen)
     async def generate_sequences(self, *args, **kwargs):
         out = await gen(self, *args, **kwargs)
-        if self.__dict__.get(_MARK) is not None:
+        if self.__dict__.get(_FROZEN) is not None:
             _freeze(self, "first batch")
         return out
 
-    setattr(__init__, _MARK, True)
+    setattr(__init__, _WRAPPED, True)
     worker_cls.__init__ = __init__
     worker_cls.generate_sequences = generate_sequences
     return True
 
 
-def _on_import(module: Any) -> None:
+def _on_import(module: Any, rollout_name: str) -> None:
     cls = getattr(module, "AgentLoopWorker", None)
-    if cls is None or not patch(cls):
+    if cls is None or not patch(cls, rollout_name):
         logger.warning("sgl-rollout: verl's %s has no AgentLoopWorker.__init__ and generate_sequences; its "
                        "heap is not frozen", MODULE)
 
 
-def install() -> bool:
+def install(rollout_name: str) -> bool:
     """Register the post-import hook on :data:`MODULE` in this process (run by the verl plugin at ``import
-    verl``, in the driver and every Ray worker); the hook runs at once where verl's module is imported already.
+    verl``, in the driver and every Ray worker, with the rollout name it registered); the hook runs at once
+    where verl's module is imported already.
 
     Returns:
         True when registered; False when ``wrapt`` is missing (logged at WARNING; nothing changed).
@@ -128,5 +132,5 @@ def install() -> bool:
     except ImportError:
         logger.warning("sgl-rollout: wrapt is not installed; verl's agent-loop workers' heap is not frozen")
         return False
-    wrapt.register_post_import_hook(_on_import, MODULE)
+    wrapt.register_post_import_hook(functools.partial(_on_import, rollout_name=rollout_name), MODULE)
     return True
