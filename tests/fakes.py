@@ -221,6 +221,7 @@ class FakeSGLangEngine:
         self.last_lora_path = None
         # every generate's batch as SGLang got it (input_ids, image_data, video_data, sampling_params)
         self.requests = []
+        self.forms = []  # "single" / "batch": the form of each async_generate (SGLang takes both)
         # None, or a function of a prompt's ids giving the whole answer's ids (finish reason "stop")
         self.reply = None
         self.decoded_tokens = 0  # decode steps of the scripted model, for tests that act mid-answer
@@ -243,8 +244,22 @@ class FakeSGLangEngine:
         self.dead, self.death_reason = True, "killed"
         os.kill(self.scheduler.pid, signal.SIGKILL)
 
-    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None, lora_path=None,
-                             logprob_start_len=None, top_logprobs_num=None, image_data=None, video_data=None):
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid=None, lora_path=None, **kw):
+        """SGLang's two forms (``GenerateReqInput``): one request (bare ids, ``rid`` and ``lora_path`` a
+        string) is answered with one dict, a batch (lists) with a list; :attr:`forms` records which came."""
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        self.forms.append("single" if single else "batch")
+        if not single:
+            return await self._generate_batch(input_ids, sampling_params, return_logprob, rid, lora_path, **kw)
+        if not isinstance(rid, (str, type(None))) or not isinstance(lora_path, (str, type(None))):
+            raise ValueError("one request takes a string rid and lora_path (SGLang's single form)")
+        outs = await self._generate_batch([input_ids], sampling_params, return_logprob,
+                                          None if rid is None else [rid],
+                                          None if lora_path is None else [lora_path], **kw)
+        return outs[0]
+
+    async def _generate_batch(self, input_ids, sampling_params, return_logprob, rid=None, lora_path=None,
+                              logprob_start_len=None, top_logprobs_num=None, image_data=None, video_data=None):
         await self._alive()
         rid = rid or [f"r{i}" for i in range(len(input_ids))]
         self.calls.append(("generate", len(input_ids)))

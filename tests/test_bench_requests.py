@@ -27,6 +27,8 @@ def test_a_wrong_answer_is_caught(monkeypatch, mode):
 
     async def swapped(self, input_ids, *args, **kwargs):
         out = await real(self, input_ids, *args, **kwargs)
+        if isinstance(out, dict):  # one request (SGLang's single form)
+            return dict(out, output_ids=out["output_ids"][::-1])
         return [dict(o, output_ids=o["output_ids"][::-1]) for o in out]
 
     monkeypatch.setattr(requests.BatchAnswerEngine, "async_generate", swapped)
@@ -42,3 +44,21 @@ def test_the_command_prints_a_row_per_way_and_writes_the_json(tmp_path):
     rows = [ln.split()[0] for ln in proc.stdout.splitlines()[2:] if ln.strip()]
     assert rows == list(requests.MODES)
     assert [r["mode"] for r in json.loads(out.read_text())] == list(requests.MODES)
+
+
+def test_the_double_answers_both_of_sglangs_forms():
+    import asyncio
+
+    eng = requests.BatchAnswerEngine(batch=3, output_len=2)
+
+    async def both():
+        return await asyncio.gather(eng.async_generate([5, 6]), eng.async_generate([[7], [9]]))
+
+    one, batch = asyncio.run(both())
+    assert one["output_ids"] == [7, 8]
+    assert [o["output_ids"] for o in batch] == [[8, 9], [10, 11]]
+
+
+def test_the_real_engine_mode_refuses_an_unknown_way_before_starting_anything():
+    with pytest.raises(ValueError, match="unknown mode 'engine-thread'"):
+        requests.measure_real(modes=("sglang", "engine-thread"))

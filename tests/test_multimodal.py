@@ -70,6 +70,29 @@ def test_engine_sends_each_prompts_images_per_request_and_repeats_them_for_every
         eng.shutdown()
 
 
+def test_a_text_only_batch_of_one_goes_to_sglang_as_one_request_and_the_rest_as_a_batch(plain_requests):
+    """SGLang's batch path costs a batch of one more on its way in than one request (verl's agent loop
+    sends one call per sample), so a text-only request goes as verl's built-in server sends it; a batch,
+    several samples or images keep the batch form, whose per-request modalities SGLang sets only there."""
+    eng = _engine()
+    fake = eng._engine
+
+    async def scenario():
+        one = await eng.async_generate([[1, 2]], {"max_new_tokens": 2})
+        assert fake.forms[-1] == "single" and fake.requests[-1]["input_ids"] == [[1, 2]]
+        assert [g.output_ids for g in one[0]] == [[3, 4]]
+        await eng.async_generate([[1, 2], [5]], {"max_new_tokens": 1})
+        await eng.async_generate([[1, 2]], {"max_new_tokens": 1}, n=2)
+        await eng.async_generate([[1, 2]], {"max_new_tokens": 1}, image_data=[[_image(0)]])
+        await eng.async_generate([[1, 2]], {"max_new_tokens": 1}, video_data=[[_video_payload()]])
+        assert fake.forms[-4:] == ["batch"] * 4
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"image_data": [[_image(0)]]}, r"image_data takes one entry per prompt \(2\), got 1"),
     ({"image_data": [_image(0), _image(1)]}, "each prompt's entry is a list of items or None, got Image"),

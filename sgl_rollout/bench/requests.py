@@ -20,6 +20,11 @@ thread of its own (as Ray runs an async actor's loop), against an engine double 
 Per round it records ``in_s`` (seconds from the first call to the last request reaching the double) and
 ``back_s`` (seconds from the double answering to the last caller having its answer). No GPU, SGLang or
 Ray is used: the figures are the Python path's, on this machine's CPU.
+
+``--engine sglang`` (a GPU) times the same rounds against a real SGLang engine (a Llama-shaped model,
+dummy weights, a few new tokens per request), with SGLang's own tokenizer manager in the path
+(:func:`measure_real`): ``in_s`` is then the time until the round's last request was sent to the
+scheduler, and ``back_s`` until the last caller had its answer after that.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ import types
 from typing import Any, Awaitable, Callable, Dict, List, Optional
 
 MODES = ("sglang", "caller-loop", "engine-thread", "verl-server")
+#: The ways into a real engine (:func:`measure_real`): SGLang's tokenizer manager given one request, as verl's
+#: ``SGLangHttpServer`` sends it (``async_sglang_server.py``); ``sglang.Engine.async_generate`` given a batch
+#: of one (SGLang's batch path: ``TokenizerManager._handle_batch_request``); this package's engine on the
+#: caller's loop.
+REAL_MODES = ("sglang", "sglang-batch1", "caller-loop")
 
 
 class BatchAnswerEngine:
@@ -59,16 +69,21 @@ class BatchAnswerEngine:
         self._in, self._ready, self.answered_at = 0, None, None
 
     async def async_generate(self, input_ids, sampling_params=None, return_logprob=False, rid=None,
-                             **_kwargs) -> List[Dict[str, Any]]:
+                             **_kwargs):
+        """A list of answers for a batch (lists of ids), one answer (a dict) for one request (bare ids),
+        as SGLang's ``Engine.async_generate``."""
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        batch = [input_ids] if single else input_ids
         if self._ready is None:
             self._ready = asyncio.Event()
-        self._in += len(input_ids)
+        self._in += len(batch)
         if self._in >= self.batch:
             self.answered_at = time.perf_counter()
             self._ready.set()
         await self._ready.wait()
-        return [{"output_ids": [p[-1] + 1 + k for k in range(self.output_len)],
-                 "meta_info": {"finish_reason": {"type": "length"}}} for p in input_ids]
+        outs = [{"output_ids": [p[-1] + 1 + k for k in range(self.output_len)],
+                 "meta_info": {"finish_reason": {"type": "length"}}} for p in batch]
+        return outs[0] if single else outs
 
     def shutdown(self) -> None:
         """Nothing to stop."""
@@ -190,23 +205,137 @@ async def _verl_server_call(requests: int, output_len: int):
     return server, call
 
 
+def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup: int = 2,
+                 prompt_len: int = 256, new_tokens: int = 4, workdir: str = "/tmp/sgl_rollout_bench_requests",
+                 mem_fraction: float = 0.5) -> List[Dict[str, Any]]:
+    """Time rounds of ``requests`` concurrent requests into a real SGLang engine, each of ``modes`` (of
+    :data:`REAL_MODES`) in turn within every round, so a drift of the machine falls on all of them alike.
+
+    One engine (TinyLlama-1.1B's shape, ``load_format="dummy"``, eager) is started by
+    :class:`~sgl_rollout.engine.RolloutEngine` on the loop of a thread of its own, as the server actor
+    does (``loop=`` the caller's loop). Each request is ``prompt_len`` token ids and asks for
+    ``new_tokens`` tokens, so the GPU's share of a round stays small. ``in_s``: seconds from the round's
+    first call to its last request handed to the scheduler (SGLang's ``TokenizerManager._send_one_request``,
+    timed by wrapping it; SGLang 0.5.10 and 0.5.12 have it); ``back_s``: from then until the last caller
+    had its answer; ``round_s``: the whole round.
+
+    Returns:
+        one dict per mode: ``{"mode", "requests", "rounds": [{"in_s", "back_s", "round_s"}], "in_s",
+        "back_s", "round_s"}`` (medians, seconds), the ``warmup`` rounds left out.
+
+    Raises:
+        ValueError: an unknown mode. RuntimeError: this SGLang's tokenizer manager has no
+        ``_send_one_request`` to time. AssertionError: an answer had the wrong number of tokens.
+        Whatever starting the engine raises (no GPU, no SGLang).
+    """
+    bad = [m for m in modes if m not in REAL_MODES]
+    if bad:
+        raise ValueError(f"unknown mode {bad[0]!r}; one of {REAL_MODES}")
+    import os
+    import uuid
+
+    from ..config import RolloutConfig
+    from ..engine import RolloutEngine
+    from .models import LLAMA_1B, gpu_engine_flags, make_llama_dir
+
+    model_dir = os.path.join(workdir, "llama-1.1b")
+    make_llama_dir(model_dir, LLAMA_1B)
+    params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
+
+    async def main() -> Dict[str, List[Dict[str, float]]]:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        cfg = RolloutConfig(model_path=model_dir, load_format="dummy", gpu_memory_utilization=mem_fraction,
+                            enforce_eager=True, engine_kwargs=gpu_engine_flags())
+        engine = RolloutEngine(cfg, loop=asyncio.get_running_loop())
+        try:
+            tm = engine._tm()
+            if not hasattr(tm, "_send_one_request"):
+                raise RuntimeError("this SGLang's tokenizer manager has no _send_one_request to time")
+            sent: List[float] = []
+            send = tm._send_one_request
+
+            def timed_send(*a, **kw):
+                sent.append(time.perf_counter())
+                return send(*a, **kw)
+
+            tm._send_one_request = timed_send
+            calls = {
+                "sglang": lambda ids: tm.generate_request(GenerateReqInput(
+                    input_ids=ids, sampling_params=dict(params), rid=uuid.uuid4().hex), None).__anext__(),
+                "sglang-batch1": lambda ids: engine._engine.async_generate(
+                    input_ids=[ids], sampling_params=dict(params), rid=[uuid.uuid4().hex]),
+                "caller-loop": lambda ids: engine.async_generate([ids], dict(params), return_logprob=False),
+            }
+            per: Dict[str, List[Dict[str, float]]] = {m: [] for m in modes}
+            for r in range(warmup + rounds):
+                for m in modes:
+                    sent.clear()
+                    row = await _real_round(calls[m], sent, requests, prompt_len, new_tokens)
+                    if r >= warmup:
+                        per[m].append(row)
+            return per
+        finally:
+            engine.shutdown()
+
+    per = on_a_loop_thread(main)
+    return [{"mode": m, "requests": requests, "rounds": rows,
+             **{k: statistics.median(r[k] for r in rows) for k in ("in_s", "back_s", "round_s")}}
+            for m, rows in per.items()]
+
+
+async def _real_round(call, sent: List[float], requests: int, prompt_len: int, new_tokens: int) -> Dict[str, float]:
+    """One round of :func:`measure_real`: ``requests`` concurrent ``call(ids)``; ``sent`` fills with the
+    times the tokenizer manager handed each request to the scheduler."""
+    done: List[float] = []
+
+    async def one(i: int) -> None:
+        out = await call([(i * 7 + k) % 30000 + 10 for k in range(prompt_len)])
+        first = out[0] if isinstance(out, list) else out
+        ids = first[0].output_ids if isinstance(first, list) else first["output_ids"]
+        if len(ids) != new_tokens:
+            raise AssertionError(f"an answer had {len(ids)} tokens, not {new_tokens}")
+        done.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(requests)])
+    if len(sent) < requests:
+        raise AssertionError(f"{len(sent)} of {requests} requests were seen going to the scheduler")
+    last_in = max(sent)
+    return {"in_s": last_in - t0, "back_s": max(done) - last_in, "round_s": max(done) - t0}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``requests`` subcommand's options."""
     p.add_argument("--requests", type=int, default=256, help="concurrent requests per round (verl: batch x n)")
     p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES}")
+    p.add_argument("--modes", default=None, help=f"comma-separated, of {MODES} (with --engine sglang: of "
+                   f"{REAL_MODES}); default: all")
+    p.add_argument("--engine", choices=("double", "sglang"), default="double",
+                   help="double: the CPU engine double; sglang: a real SGLang engine on a GPU (measure_real)")
     p.add_argument("--out", default="bench_requests.json")
 
 
 def main(args: argparse.Namespace) -> int:
     """Measure each mode, print a table (ms per round, microseconds per request) and write ``args.out``."""
+    n = args.requests
+    if args.engine == "sglang":
+        results = measure_real(tuple((args.modes or ",".join(REAL_MODES)).split(",")), n, args.rounds)
+        print(f"{n} concurrent requests into one SGLang engine, median of {args.rounds} rounds:")
+        print(f"{'mode':<14}{'all in (ms)':>12}{'all back (ms)':>14}{'round (ms)':>12}{'us/request in':>15}")
+        for r in results:
+            print(f"{r['mode']:<14}{1e3 * r['in_s']:>12.1f}{1e3 * r['back_s']:>14.1f}{1e3 * r['round_s']:>12.1f}"
+                  f"{1e6 * r['in_s'] / n:>15.0f}")
+        from . import write_result
+
+        write_result(results, args.out, "bench_requests.json")
+        return 0
     results = []
-    for m in args.modes.split(","):
+    for m in (args.modes or ",".join(MODES)).split(","):
         try:
             results.append(measure(m, args.requests, args.rounds))
         except ImportError as exc:  # verl-server without verl
             print(f"{m}: skipped ({exc})")
-    n = args.requests
     print(f"{n} concurrent requests, median of {args.rounds} rounds (CPU, engine double):")
     print(f"{'mode':<14}{'all in (ms)':>12}{'all back (ms)':>14}{'us/request in':>15}{'us/request back':>17}")
     for r in results:

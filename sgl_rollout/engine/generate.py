@@ -105,9 +105,10 @@ class GenerateCalls:
                     if lora_path is not None:
                         # read after admission: adapters change only inside a sync, which no request overlaps
                         extra["lora_path"] = [self._adapter_for_request(lora_path).sglang_name] * len(batch)
+                    ids, rid = _request_form(batch, rids, extra)
                     sent = self._submit(
-                        lambda: self._engine.async_generate(input_ids=batch, sampling_params=dict(sampling_params or {}),
-                                                            return_logprob=return_logprob, rid=rids, **extra),
+                        lambda: self._engine.async_generate(input_ids=ids, sampling_params=dict(sampling_params or {}),
+                                                            return_logprob=return_logprob, rid=rid, **extra),
                         lambda exc: (self.state.request_done(), self._freeze_gc_once(exc)),
                     )
                 except BaseException:
@@ -203,6 +204,23 @@ class GenerateCalls:
         """
         self.check_alive()
         self._loop.call_soon_threadsafe(lambda: self._tm().abort_request(abort_all=True))
+
+
+def _request_form(batch: List[List[int]], rids: List[str], extra: Dict[str, Any]):
+    """The ``input_ids`` and ``rid`` to send SGLang for ``batch`` (after :func:`_expand`): a text-only
+    batch of one goes as one request (bare ids and rid, ``lora_path`` a name, in place in ``extra``), as
+    verl's ``SGLangHttpServer`` sends it (``async_sglang_server.py``); anything else in SGLang's batch form.
+    A batch of one would take SGLang's batch path (``TokenizerManager._handle_batch_request``: a copy of
+    the request per item and a task per answer), which costs every request of verl's agent loop, one
+    call each, on its way in (``python -m sgl_rollout.bench requests --engine sglang``). Requests with
+    images or videos keep the batch form, whose per-request ``modalities`` (``"image"``, ``"multi-images"``;
+    ``GenerateReqInput._normalize_image_data``, ``sglang/srt/managers/io_struct.py``) SGLang sets only there.
+    """
+    if len(batch) != 1 or "image_data" in extra or "video_data" in extra:
+        return batch, rids
+    if "lora_path" in extra:
+        extra["lora_path"] = extra["lora_path"][0]
+    return batch[0], rids[0]
 
 
 def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
