@@ -62,3 +62,23 @@ def test_the_double_answers_both_of_sglangs_forms():
 def test_the_real_engine_mode_refuses_an_unknown_way_before_starting_anything():
     with pytest.raises(ValueError, match="unknown mode 'engine-thread'"):
         requests.measure_real(modes=("sglang", "engine-thread"))
+
+
+def test_the_real_engine_mode_times_single_and_batched_sends_to_the_scheduler():
+    class TM:
+        def __init__(self):
+            self.got = []
+
+        def _send_one_request(self, obj):
+            self.got.append(obj)
+
+        def _send_batch_request(self, objs):
+            self.got.extend(objs)
+
+    tm, sent = TM(), []
+    requests._time_sends(tm, sent)
+    tm._send_one_request("a")
+    tm._send_batch_request(["b", "c", "d"])
+    assert tm.got == ["a", "b", "c", "d"] and len(sent) == 4 and sent == sorted(sent)
+    with pytest.raises(RuntimeError, match="no _send_one_request"):
+        requests._time_sends(object(), [])

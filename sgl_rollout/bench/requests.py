@@ -215,8 +215,8 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
     :class:`~sgl_rollout.engine.RolloutEngine` on the loop of a thread of its own, as the server actor
     does (``loop=`` the caller's loop). Each request is ``prompt_len`` token ids and asks for
     ``new_tokens`` tokens, so the GPU's share of a round stays small. ``in_s``: seconds from the round's
-    first call to its last request handed to the scheduler (SGLang's ``TokenizerManager._send_one_request``,
-    timed by wrapping it; SGLang 0.5.10 and 0.5.12 have it); ``back_s``: from then until the last caller
+    first call to its last request handed to the scheduler (SGLang's ``TokenizerManager._send_one_request``
+    and ``_send_batch_request``, timed by wrapping them: :func:`_time_sends`); ``back_s``: from then until the last caller
     had its answer; ``round_s``: the whole round.
 
     Returns:
@@ -225,7 +225,7 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
 
     Raises:
         ValueError: an unknown mode. RuntimeError: this SGLang's tokenizer manager has no
-        ``_send_one_request`` to time. AssertionError: an answer had the wrong number of tokens.
+        ``_send_one_request`` to time (:func:`_time_sends`). AssertionError: an answer had the wrong number of tokens.
         Whatever starting the engine raises (no GPU, no SGLang).
     """
     bad = [m for m in modes if m not in REAL_MODES]
@@ -249,17 +249,9 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
                             enforce_eager=True, engine_kwargs=gpu_engine_flags())
         engine = RolloutEngine(cfg, loop=asyncio.get_running_loop())
         try:
-            tm = engine._tm()
-            if not hasattr(tm, "_send_one_request"):
-                raise RuntimeError("this SGLang's tokenizer manager has no _send_one_request to time")
             sent: List[float] = []
-            send = tm._send_one_request
-
-            def timed_send(*a, **kw):
-                sent.append(time.perf_counter())
-                return send(*a, **kw)
-
-            tm._send_one_request = timed_send
+            _time_sends(engine._tm(), sent)
+            tm = engine._tm()
             calls = {
                 "sglang": lambda ids: tm.generate_request(GenerateReqInput(
                     input_ids=ids, sampling_params=dict(params), rid=uuid.uuid4().hex), None).__anext__(),
@@ -282,6 +274,33 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
     return [{"mode": m, "requests": requests, "rounds": rows,
              **{k: statistics.median(r[k] for r in rows) for k in ("in_s", "back_s", "round_s")}}
             for m, rows in per.items()]
+
+
+def _time_sends(tm: Any, sent: List[float]) -> None:
+    """Wrap the tokenizer manager ``tm``'s sends to the scheduler (on the instance) so that each request
+    handed over appends the time (``time.perf_counter()``) to ``sent``: ``_send_one_request`` (one
+    request) and, where SGLang has it, ``_send_batch_request`` (a batch tokenized at once: one time per
+    request; SGLang 0.5.12 sends a batch of token ids so).
+
+    Raises:
+        RuntimeError: ``tm`` has no ``_send_one_request``.
+    """
+    if not hasattr(tm, "_send_one_request"):
+        raise RuntimeError("this SGLang's tokenizer manager has no _send_one_request to time")
+    one, batch = tm._send_one_request, getattr(tm, "_send_batch_request", None)
+
+    def timed_one(*a, **kw):
+        sent.append(time.perf_counter())
+        return one(*a, **kw)
+
+    def timed_batch(*a, **kw):
+        n = next((len(x) for x in (*a, *kw.values()) if isinstance(x, (list, tuple))), 1)
+        sent.extend([time.perf_counter()] * n)
+        return batch(*a, **kw)
+
+    tm._send_one_request = timed_one
+    if batch is not None:
+        tm._send_batch_request = timed_batch
 
 
 async def _real_round(call, sent: List[float], requests: int, prompt_len: int, new_tokens: int) -> Dict[str, float]:
