@@ -82,3 +82,19 @@ def test_the_real_engine_mode_times_single_and_batched_sends_to_the_scheduler():
     assert tm.got == ["a", "b", "c", "d"] and len(sent) == 4 and sent == sorted(sent)
     with pytest.raises(RuntimeError, match="no _send_one_request"):
         requests._time_sends(object(), [])
+
+
+def test_the_real_engine_table_has_a_row_per_way(monkeypatch, tmp_path, capsys):
+    import argparse
+
+    rows = [{"mode": m, "requests": 4, "rounds": [], "in_s": 0.04, "back_s": 0.2, "round_s": 0.24}
+            for m in requests.REAL_MODES]
+    seen = {}
+    monkeypatch.setattr(requests, "measure_real", lambda modes, n, rounds: seen.update(modes=modes) or rows)
+    args = argparse.Namespace(requests=4, rounds=2, modes=None, engine="sglang", out=str(tmp_path / "r.json"))
+    assert requests.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert seen["modes"] == requests.REAL_MODES
+    assert [ln.split()[0] for ln in lines[2:]] == list(requests.REAL_MODES)
+    assert lines[2].split()[1:] == ["40.0", "200.0", "240.0", "10000"]
+    assert json.loads((tmp_path / "r.json").read_text()) == rows

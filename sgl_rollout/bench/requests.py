@@ -338,28 +338,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Measure each mode, print a table (ms per round, microseconds per request) and write ``args.out``."""
     n = args.requests
+    ms, us = ("ms", 1e3), ("us", 1e6 / n)
     if args.engine == "sglang":
         results = measure_real(tuple((args.modes or ",".join(REAL_MODES)).split(",")), n, args.rounds)
-        print(f"{n} concurrent requests into one SGLang engine, median of {args.rounds} rounds:")
-        print(f"{'mode':<14}{'all in (ms)':>12}{'all back (ms)':>14}{'round (ms)':>12}{'us/request in':>15}")
-        for r in results:
-            print(f"{r['mode']:<14}{1e3 * r['in_s']:>12.1f}{1e3 * r['back_s']:>14.1f}{1e3 * r['round_s']:>12.1f}"
-                  f"{1e6 * r['in_s'] / n:>15.0f}")
-        from . import write_result
-
-        write_result(results, args.out, "bench_requests.json")
-        return 0
-    results = []
-    for m in (args.modes or ",".join(MODES)).split(","):
-        try:
-            results.append(measure(m, args.requests, args.rounds))
-        except ImportError as exc:  # verl-server without verl
-            print(f"{m}: skipped ({exc})")
-    print(f"{n} concurrent requests, median of {args.rounds} rounds (CPU, engine double):")
-    print(f"{'mode':<14}{'all in (ms)':>12}{'all back (ms)':>14}{'us/request in':>15}{'us/request back':>17}")
+        title = f"{n} concurrent requests into one SGLang engine, median of {args.rounds} rounds:"
+        cols = [("all in (ms)", "in_s", ms), ("all back (ms)", "back_s", ms), ("round (ms)", "round_s", ms),
+                ("us/request in", "in_s", us)]
+    else:
+        results = []
+        for m in (args.modes or ",".join(MODES)).split(","):
+            try:
+                results.append(measure(m, n, args.rounds))
+            except ImportError as exc:  # verl-server without verl
+                print(f"{m}: skipped ({exc})")
+        title = f"{n} concurrent requests, median of {args.rounds} rounds (CPU, engine double):"
+        cols = [("all in (ms)", "in_s", ms), ("all back (ms)", "back_s", ms), ("us/request in", "in_s", us),
+                ("us/request back", "back_s", us)]
+    print(title)
+    print(f"{'mode':<14}" + "".join(f"{head:>{len(head) + 2}}" for head, _, _ in cols))
     for r in results:
-        print(f"{r['mode']:<14}{1e3 * r['in_s']:>12.1f}{1e3 * r['back_s']:>14.1f}"
-              f"{1e6 * r['in_s'] / n:>15.0f}{1e6 * r['back_s'] / n:>17.0f}")
+        print(f"{r['mode']:<14}" + "".join(f"{r[key] * scale:>{len(head) + 2}.{1 if unit == 'ms' else 0}f}"
+                                           for head, key, (unit, scale) in cols))
     from . import write_result
 
     write_result(results, args.out, "bench_requests.json")
