@@ -93,6 +93,23 @@ def test_a_text_only_batch_of_one_goes_to_sglang_as_one_request_and_the_rest_as_
         eng.shutdown()
 
 
+def test_an_empty_prompt_is_refused_before_anything_reaches_sglang(plain_requests):
+    eng = _engine()
+    fake = eng._engine
+
+    async def scenario():
+        for batch in ([[]], [[1, 2], []]):
+            with pytest.raises(ValueError, match=f"prompt {len(batch) - 1} has no token ids"):
+                await eng.async_generate(batch, {"max_new_tokens": 1})
+        assert fake.forms == [] and fake.requests == [] and eng.state.in_flight == 0
+        assert len(await eng.async_generate([[1]], {"max_new_tokens": 1})) == 1  # still serving
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"image_data": [[_image(0)]]}, r"image_data takes one entry per prompt \(2\), got 1"),
     ({"image_data": [_image(0), _image(1)]}, "each prompt's entry is a list of items or None, got Image"),

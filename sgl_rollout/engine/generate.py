@@ -180,7 +180,7 @@ class GenerateCalls:
             MemoryStateError: a memory region is released, a release/resume/sync is in progress, or the
                 last weight sync did not complete.
             EngineDeadError: the engine died (before or during the call); EngineClosedError: shut down.
-            ValueError: ``n`` < 1, an empty batch, ``lora_path`` names no loaded adapter,
+            ValueError: ``n`` < 1, an empty batch or prompt, ``lora_path`` names no loaded adapter,
                 ``logprob_start_len`` / ``top_logprobs_num`` out of range (``top_logprobs_num`` above the
                 model's vocabulary size, which would kill SGLang's scheduler) or without what they need, or
                 ``image_data`` / ``video_data`` not one list (or None) per prompt, an item an array or
@@ -230,7 +230,11 @@ def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
         raise ValueError(f"n must be >= 1, got {n}")
     if not input_ids:
         raise ValueError("empty batch")
-    return [list(p) for p in input_ids for _ in range(n)]
+    batch = [list(p) for p in input_ids for _ in range(n)]
+    empty = [i // n for i, p in enumerate(batch) if not p]
+    if empty:  # refused here, in one line, not left to SGLang's batch or single path to handle
+        raise ValueError(f"prompt {empty[0]} has no token ids; SGLang needs at least one")
+    return batch
 
 
 def _prompt_logprob_args(input_ids, return_logprob: bool, start: Optional[int], top: int,
