@@ -250,8 +250,8 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
         engine = RolloutEngine(cfg, loop=asyncio.get_running_loop())
         try:
             sent: List[float] = []
-            _time_sends(engine._tm(), sent)
             tm = engine._tm()
+            _time_sends(tm, sent)
             calls = {
                 "sglang": lambda ids: tm.generate_request(GenerateReqInput(
                     input_ids=ids, sampling_params=dict(params), rid=uuid.uuid4().hex), None).__anext__(),

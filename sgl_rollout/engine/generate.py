@@ -105,10 +105,10 @@ class GenerateCalls:
                     if lora_path is not None:
                         # read after admission: adapters change only inside a sync, which no request overlaps
                         extra["lora_path"] = [self._adapter_for_request(lora_path).sglang_name] * len(batch)
-                    ids, rid = _request_form(batch, rids, extra)
+                    ids, rid, form = _request_form(batch, rids, extra)
                     sent = self._submit(
                         lambda: self._engine.async_generate(input_ids=ids, sampling_params=dict(sampling_params or {}),
-                                                            return_logprob=return_logprob, rid=rid, **extra),
+                                                            return_logprob=return_logprob, rid=rid, **form),
                         lambda exc: (self.state.request_done(), self._freeze_gc_once(exc)),
                     )
                 except BaseException:
@@ -207,8 +207,9 @@ class GenerateCalls:
 
 
 def _request_form(batch: List[List[int]], rids: List[str], extra: Dict[str, Any]):
-    """The ``input_ids`` and ``rid`` to send SGLang for ``batch`` (after :func:`_expand`): a text-only
-    batch of one goes as one request (bare ids and rid, ``lora_path`` a name, in place in ``extra``), as
+    """``(input_ids, rid, other arguments)`` to send SGLang for ``batch`` (after :func:`_expand`) and the
+    batch form's other arguments ``extra`` (not changed): a text-only batch of one goes as one request (bare
+    ids and rid, ``lora_path`` a name), as
     verl's ``SGLangHttpServer`` sends it (``async_sglang_server.py``); anything else in SGLang's batch form.
     A batch of one would take SGLang's batch path (``TokenizerManager._handle_batch_request``; 0.5.12
     tokenizes it as a batch and sends a ``BatchTokenizedGenerateReqInput``), which costs every request of
@@ -219,10 +220,9 @@ def _request_form(batch: List[List[int]], rids: List[str], extra: Dict[str, Any]
     ``GenerateReqInput._normalize_image_data``, ``sglang/srt/managers/io_struct.py``) SGLang sets only there.
     """
     if len(batch) != 1 or "image_data" in extra or "video_data" in extra:
-        return batch, rids
-    if "lora_path" in extra:
-        extra["lora_path"] = extra["lora_path"][0]
-    return batch[0], rids[0]
+        return batch, rids, extra
+    one = {k: (v[0] if k == "lora_path" else v) for k, v in extra.items()}
+    return batch[0], rids[0], one
 
 
 def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
@@ -230,11 +230,10 @@ def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
         raise ValueError(f"n must be >= 1, got {n}")
     if not input_ids:
         raise ValueError("empty batch")
-    batch = [list(p) for p in input_ids for _ in range(n)]
-    empty = [i // n for i, p in enumerate(batch) if not p]
-    if empty:  # refused here, in one line, not left to SGLang's batch or single path to handle
-        raise ValueError(f"prompt {empty[0]} has no token ids; SGLang needs at least one")
-    return batch
+    empty = next((i for i, p in enumerate(input_ids) if len(p) == 0), None)
+    if empty is not None:  # refused here, in one line, not left to SGLang's batch or single path to handle
+        raise ValueError(f"prompt {empty} has no token ids; SGLang needs at least one")
+    return [list(p) for p in input_ids for _ in range(n)]
 
 
 def _prompt_logprob_args(input_ids, return_logprob: bool, start: Optional[int], top: int,
