@@ -87,7 +87,7 @@ def test_the_real_engine_mode_times_single_and_batched_sends_to_the_scheduler():
 def test_the_real_engine_table_has_a_row_per_way(monkeypatch, tmp_path, capsys):
     import argparse
 
-    rows = [{"mode": m, "requests": 4, "rounds": [], "in_s": 0.04, "back_s": 0.2, "round_s": 0.24}
+    rows = [{"mode": m, "requests": 4, "rounds": [], "in_s": 0.04, "back_s": 0.2, "round_s": 0.24, "gc_s": 0.003}
             for m in requests.REAL_MODES]
     seen = {}
     monkeypatch.setattr(requests, "measure_real", lambda modes, n, rounds: seen.update(modes=modes) or rows)
@@ -96,5 +96,29 @@ def test_the_real_engine_table_has_a_row_per_way(monkeypatch, tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert seen["modes"] == requests.REAL_MODES
     assert [ln.split()[0] for ln in lines[2:]] == list(requests.REAL_MODES)
-    assert lines[2].split()[1:] == ["40.0", "200.0", "240.0", "10000"]
+    assert lines[2].split()[1:] == ["40.0", "200.0", "240.0", "10000", "3.0"]
     assert json.loads((tmp_path / "r.json").read_text()) == rows
+
+
+def test_each_round_starts_one_mode_later_so_no_mode_always_follows_the_same_one():
+    modes = requests.REAL_MODES
+    orders = [requests.rotated(modes, r) for r in range(2 * len(modes))]
+    assert all(sorted(o) == sorted(modes) for o in orders)
+    assert [o[0] for o in orders[:len(modes)]] == list(modes)  # every mode leads one round in turn
+    run = [m for o in orders for m in o]  # the rounds one after the other, as measure_real runs them
+    for m in modes:
+        assert len({run[i - 1] for i in range(1, len(run)) if run[i] == m}) > 1, m
+
+
+def test_the_gc_timer_counts_the_collections_inside_its_block_only():
+    import gc
+
+    gc.collect()
+    with requests.GCTimer() as inside:
+        junk = [[i] for i in range(200_000)]  # enough young objects for several collections
+        gc.collect()
+    del junk
+    before = inside.seconds
+    gc.collect()  # outside: not counted
+    assert before > 0 and inside.seconds == before
+    assert inside._callback not in gc.callbacks

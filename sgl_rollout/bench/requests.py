@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import statistics
 import threading
 import time
@@ -209,7 +210,8 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
                  prompt_len: int = 256, new_tokens: int = 4, workdir: str = "/tmp/sgl_rollout_bench_requests",
                  mem_fraction: float = 0.5) -> List[Dict[str, Any]]:
     """Time rounds of ``requests`` concurrent requests into a real SGLang engine, each of ``modes`` (of
-    :data:`REAL_MODES`) in turn within every round, so a drift of the machine falls on all of them alike.
+    :data:`REAL_MODES`) in turn within every round, so a drift of the machine falls on all of them alike;
+    each round starts one mode later (:func:`rotated`).
 
     One engine (TinyLlama-1.1B's shape, ``load_format="dummy"``, eager) is started by
     :class:`~sgl_rollout.engine.RolloutEngine` on the loop of a thread of its own, as the server actor
@@ -217,11 +219,12 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
     ``new_tokens`` tokens, so the GPU's share of a round stays small. ``in_s``: seconds from the round's
     first call to its last request handed to the scheduler (SGLang's ``TokenizerManager._send_one_request``
     and ``_send_batch_request``, timed by wrapping them: :func:`_time_sends`); ``back_s``: from then until the last caller
-    had its answer; ``round_s``: the whole round.
+    had its answer; ``round_s``: the whole round; ``gc_s``: seconds Python's garbage collector ran in this
+    process (the tokenizer manager's, as in the server actor) during the round (:class:`GCTimer`).
 
     Returns:
-        one dict per mode: ``{"mode", "requests", "rounds": [{"in_s", "back_s", "round_s"}], "in_s",
-        "back_s", "round_s"}`` (medians, seconds), the ``warmup`` rounds left out.
+        one dict per mode: ``{"mode", "requests", "rounds": [{"in_s", "back_s", "round_s", "gc_s"}], "in_s",
+        "back_s", "round_s", "gc_s"}`` (medians, seconds), the ``warmup`` rounds left out.
 
     Raises:
         ValueError: an unknown mode. RuntimeError: this SGLang's tokenizer manager has no
@@ -261,7 +264,7 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
             }
             per: Dict[str, List[Dict[str, float]]] = {m: [] for m in modes}
             for r in range(warmup + rounds):
-                for m in modes:
+                for m in rotated(modes, r):
                     sent.clear()
                     row = await _real_round(calls[m], sent, requests, prompt_len, new_tokens)
                     if r >= warmup:
@@ -272,8 +275,39 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
 
     per = on_a_loop_thread(main)
     return [{"mode": m, "requests": requests, "rounds": rows,
-             **{k: statistics.median(r[k] for r in rows) for k in ("in_s", "back_s", "round_s")}}
+             **{k: statistics.median(r[k] for r in rows) for k in ("in_s", "back_s", "round_s", "gc_s")}}
             for m, rows in per.items()]
+
+
+def rotated(modes, r: int) -> tuple:
+    """``modes`` in round ``r``'s order: each round starts one mode later, so no mode always follows the
+    same one (the scheduler may still be tidying up the previous round when the next one begins)."""
+    k = r % len(modes) if modes else 0
+    return tuple(modes[k:]) + tuple(modes[:k])
+
+
+class GCTimer:
+    """Seconds Python's garbage collector ran in this process (every thread) while it is entered, through
+    ``gc.callbacks``; :attr:`seconds` holds the sum once the block ends. A collection that started before
+    the block is not counted."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._t0: Optional[float] = None
+
+    def _callback(self, phase: str, _info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def __enter__(self) -> "GCTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _time_sends(tm: Any, sent: List[float]) -> None:
@@ -316,12 +350,13 @@ async def _real_round(call, sent: List[float], requests: int, prompt_len: int, n
             raise AssertionError(f"an answer had {len(ids)} tokens, not {new_tokens}")
         done.append(time.perf_counter())
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*[one(i) for i in range(requests)])
+    with GCTimer() as gc_time:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one(i) for i in range(requests)])
     if len(sent) < requests:
         raise AssertionError(f"{len(sent)} of {requests} requests were seen going to the scheduler")
     last_in = max(sent)
-    return {"in_s": last_in - t0, "back_s": max(done) - last_in, "round_s": max(done) - t0}
+    return {"in_s": last_in - t0, "back_s": max(done) - last_in, "round_s": max(done) - t0, "gc_s": gc_time.seconds}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -343,7 +378,7 @@ def main(args: argparse.Namespace) -> int:
         results = measure_real(tuple((args.modes or ",".join(REAL_MODES)).split(",")), n, args.rounds)
         title = f"{n} concurrent requests into one SGLang engine, median of {args.rounds} rounds:"
         cols = [("all in (ms)", "in_s", ms), ("all back (ms)", "back_s", ms), ("round (ms)", "round_s", ms),
-                ("us/request in", "in_s", us)]
+                ("us/request in", "in_s", us), ("GC (ms)", "gc_s", ms)]
     else:
         results = []
         for m in (args.modes or ",".join(MODES)).split(","):

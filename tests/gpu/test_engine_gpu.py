@@ -57,6 +57,43 @@ def test_logprobs_and_n_samples(tiny):
         assert all(lp <= 0.0 for lp in g.logprobs)
 
 
+#: Largest |SGLang - HF| allowed on a prompt log-probability (natural log). Both run the bf16 model with
+#: different kernels (logits differ by up to NEAR_TIE, the tiny model's logits spread about 2.5); a
+#: position shifted by one or a wrong token misses by whole units.
+PROMPT_LOGPROB_TOL = 0.3
+
+
+def _hf_prompt_logprobs(model, prompt):
+    """HF's ``log p(prompt[i] | prompt[:i])`` for i = 1 .. len - 1 (float32), and the log-softmax rows."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt], device="cuda")).logits[0].float()
+    rows = torch.log_softmax(logits, dim=-1)[:-1]
+    return rows.gather(-1, torch.tensor(prompt[1:], device="cuda")[:, None])[:, 0].tolist(), rows
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[1:3]], ids=["one-request", "batch"])
+def test_prompt_logprobs_match_hugging_face(tiny, prompts):
+    """Prompt log-probabilities (verl's distillation teacher asks for them) through SGLang's single form (a
+    batch of one, as the server sends each verl request) and its batch form: every position is HF's
+    log-softmax of the prompt's own next token, and the top-3 are HF's most likely tokens."""
+    worker, model = tiny
+    gens = worker.engine.generate(prompts, {"temperature": 0.0, "max_new_tokens": 1}, return_logprob=True,
+                                  logprob_start_len=0, top_logprobs_num=3)
+    for prompt, (gen,) in zip(prompts, gens):
+        want, rows = _hf_prompt_logprobs(model, prompt)
+        assert gen.prompt_token_ids == prompt
+        assert gen.prompt_logprobs[0] is None and len(gen.prompt_logprobs) == len(prompt)
+        err = max(abs(g - w) for g, w in zip(gen.prompt_logprobs[1:], want))
+        print(f"\nprompt of {len(prompt)}: largest |SGLang - HF| prompt logprob {err:.3f}")
+        assert err < PROMPT_LOGPROB_TOL
+        assert gen.prompt_top_logprobs[0] is None and len(gen.prompt_top_logprobs) == len(prompt)
+        for top, row in zip(gen.prompt_top_logprobs[1:], rows):
+            assert len(top) == 3
+            for lp, tok in top:  # each is what HF gives that token, and near HF's top 3
+                assert abs(lp - float(row[tok])) < PROMPT_LOGPROB_TOL
+                assert float(row[tok]) >= float(row.topk(3).values[-1]) - PROMPT_LOGPROB_TOL
+
+
 def test_invalid_transitions_refused_engine_keeps_serving(tiny):
     worker, model = tiny
     expected = engine_greedy(worker, PROMPTS[:1], 4)
