@@ -107,9 +107,10 @@ class GenerateCalls:
                         extra["lora_path"] = [self._adapter_for_request(lora_path).sglang_name] * len(batch)
                     ids, rid, form = _request_form(batch, rids, extra)
                     sent = self._submit(
-                        lambda: self._engine.async_generate(input_ids=ids, sampling_params=dict(sampling_params or {}),
-                                                            return_logprob=return_logprob, rid=rid, **form),
-                        lambda exc: (self.state.request_done(), self._freeze_gc_once(exc)),
+                        functools.partial(self._engine.async_generate, input_ids=ids,
+                                          sampling_params=dict(sampling_params or {}),
+                                          return_logprob=return_logprob, rid=rid, **form),
+                        self._generate_done,
                     )
                 except BaseException:
                     self.state.request_done()
@@ -119,6 +120,11 @@ class GenerateCalls:
                 self._abort(rids)
             raise
         return sent, rids
+
+    def _generate_done(self: EngineCore, exc: Optional[BaseException]) -> None:
+        """A generate's requests have ended in SGLang (``exc``: None, or how the call failed)."""
+        self.state.request_done()
+        self._freeze_gc_once(exc)
 
     def _abort(self: EngineCore, rids: List[str]) -> None:
         """Abort ``rids`` in SGLang (from the engine's loop); they stay counted until SGLang ends them."""
@@ -191,7 +197,7 @@ class GenerateCalls:
                                     self.vocab_size)
         args.update(_multimodal_args(len(input_ids), n, image_data=image_data, video_data=video_data))
         fut, rids = self._start_generate(input_ids, sampling_params, n, return_logprob, lora_path, args)
-        outs = yield self.waiting(fut, lambda: self._abort(rids))
+        outs = yield self.waiting(fut, functools.partial(self._abort, rids))
         return _group(outs, n, return_logprob, logprob_start_len is not None, top_logprobs_num > 0)
 
     generate, async_generate = twin(_generate, before_sync=EngineCore._check_not_on_loop)
