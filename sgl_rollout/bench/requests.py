@@ -37,7 +37,7 @@ import statistics
 import threading
 import time
 import types
-from typing import Any, Awaitable, Callable, Dict, List, Optional
+from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 MODES = ("sglang", "caller-loop", "engine-thread", "verl-server")
 #: The ways into a real engine (:func:`measure_real`): SGLang's tokenizer manager given one request, as verl's
@@ -63,6 +63,10 @@ class BatchAnswerEngine:
     def __init__(self, batch: int, output_len: int = 128, **server_args: Any):
         self.batch, self.output_len = batch, output_len
         self.tokenizer_manager = types.SimpleNamespace(abort_request=lambda **_kw: None, asyncio_tasks=set())
+        #: when True, the number of objects Python's garbage collector tracks (``gc.get_objects()``) is
+        #: taken into :attr:`held` once the round's last request is in, before any is answered
+        self.count_held = False
+        self.held: Optional[int] = None
         self.new_round()
 
     def new_round(self) -> None:
@@ -79,6 +83,8 @@ class BatchAnswerEngine:
             self._ready = asyncio.Event()
         self._in += len(batch)
         if self._in >= self.batch:
+            if self.count_held:
+                self.held = len(gc.get_objects())
             self.answered_at = time.perf_counter()
             self._ready.set()
         await self._ready.wait()
@@ -138,8 +144,10 @@ def measure(mode: str, requests: int = 256, rounds: int = 10, warmup: int = 2,
     """Time ``rounds`` rounds of ``requests`` concurrent requests through ``mode`` (one of :data:`MODES`).
 
     Returns:
-        ``{"mode", "requests", "rounds": [{"in_s", "back_s"}], "in_s", "back_s"}`` (medians, seconds),
-        the ``warmup`` rounds left out.
+        ``{"mode", "requests", "rounds": [{"in_s", "back_s"}], "in_s", "back_s", "objects_per_request"}``
+        (medians, seconds), the ``warmup`` rounds left out; ``objects_per_request``: the objects Python's
+        garbage collector tracks for each request in flight (an untimed round after the others, counted
+        when its last request is in, less those tracked before it): what each collection has to walk.
 
     Raises:
         ValueError: unknown mode. AssertionError: an answer reached the wrong caller.
@@ -149,7 +157,7 @@ def measure(mode: str, requests: int = 256, rounds: int = 10, warmup: int = 2,
     from ..config import RolloutConfig
     from ..engine import RolloutEngine
 
-    async def main() -> List[Dict[str, float]]:
+    async def main() -> Tuple[List[Dict[str, float]], float]:
         server = None
         if mode == "verl-server":
             server, call = await _verl_server_call(requests, output_len)
@@ -171,16 +179,21 @@ def measure(mode: str, requests: int = 256, rounds: int = 10, warmup: int = 2,
                 gens = await engine.async_generate([ids], {"max_new_tokens": output_len}, return_logprob=False)
                 return gens[0][0].output_ids
         try:
-            return [await _round(call, double, requests) for _ in range(warmup + rounds)][warmup:]
+            rows = [await _round(call, double, requests) for _ in range(warmup + rounds)][warmup:]
+            gc.collect()
+            before, double.count_held = len(gc.get_objects()), True
+            await _round(call, double, requests)
+            double.count_held = False
+            return rows, (double.held - before) / requests
         finally:
             if engine is not None:
                 engine.shutdown()
             if server is not None:
                 await server.shutdown()
 
-    per = on_a_loop_thread(main)
-    return {"mode": mode, "requests": requests, "rounds": per,
-            "in_s": statistics.median(r["in_s"] for r in per), "back_s": statistics.median(r["back_s"] for r in per)}
+    per, held = on_a_loop_thread(main)
+    return {"mode": mode, "requests": requests, "rounds": per, "in_s": statistics.median(r["in_s"] for r in per),
+            "back_s": statistics.median(r["back_s"] for r in per), "objects_per_request": held}
 
 
 async def _verl_server_call(requests: int, output_len: int):
@@ -388,7 +401,7 @@ def main(args: argparse.Namespace) -> int:
                 print(f"{m}: skipped ({exc})")
         title = f"{n} concurrent requests, median of {args.rounds} rounds (CPU, engine double):"
         cols = [("all in (ms)", "in_s", ms), ("all back (ms)", "back_s", ms), ("us/request in", "in_s", us),
-                ("us/request back", "back_s", us)]
+                ("us/request back", "back_s", us), ("objects/request", "objects_per_request", ("n", 1))]
     print(title)
     print(f"{'mode':<14}" + "".join(f"{head:>{len(head) + 2}}" for head, _, _ in cols))
     for r in results:

@@ -155,8 +155,10 @@ class _Call:
     caller's own loop, ``outer.waiter``: the future :meth:`EngineCore._await` awaits there instead of
     shielding the task). One object per call rather than closures and a shield: a generate holds it while
     SGLang serves the request, and a replica has hundreds in flight, each more work for Python's garbage
-    collector (256 in flight held 77 objects each before, 19,730 in all; SGLang's own call holds 12;
-    ``python -m sgl_rollout.bench requests``)."""
+    collector. Each generate in flight on the caller's loop held 75 tracked objects before and 48 since
+    (SGLang's own call: 10; ``python -m sgl_rollout.bench requests``, CPU double); against a real engine
+    (one H200, 256 concurrent requests) the way in's lag behind SGLang's own fell from 24 to 13 ms a round and
+    the garbage collector's extra time from 5.4 to 3.1 ms (``examples/bench/requests_h200_s15.json``)."""
 
     __slots__ = ("core", "make_coro", "on_done", "outer", "generation")
 
