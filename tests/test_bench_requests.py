@@ -113,15 +113,15 @@ def test_each_round_starts_one_mode_later_so_no_mode_always_follows_the_same_one
         assert len({run[i - 1] for i in range(1, len(run)) if run[i] == m}) > 1, m
 
 
-def test_the_gc_timer_counts_the_collections_inside_its_block_only():
+def test_the_gc_clock_of_each_round_counts_the_collections_inside_its_block_only():
     import gc
 
     gc.collect()
-    with requests.GCTimer() as inside:
+    with requests.GcClock() as inside:
         junk = [[i] for i in range(200_000)]  # enough young objects for several collections
         gc.collect()
     del junk
     before = inside.seconds
     gc.collect()  # outside: not counted
     assert before > 0 and inside.seconds == before
-    assert inside._callback not in gc.callbacks
+    assert inside._on not in gc.callbacks

@@ -39,6 +39,8 @@ import time
 import types
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
+from .processes import GcClock
+
 MODES = ("sglang", "caller-loop", "engine-thread", "verl-server")
 #: The ways into a real engine (:func:`measure_real`): SGLang's tokenizer manager given one request, as verl's
 #: ``SGLangHttpServer`` sends it (``async_sglang_server.py``); ``sglang.Engine.async_generate`` given a batch
@@ -233,7 +235,7 @@ def measure_real(modes=REAL_MODES, requests: int = 256, rounds: int = 10, warmup
     first call to its last request handed to the scheduler (SGLang's ``TokenizerManager._send_one_request``
     and ``_send_batch_request``, timed by wrapping them: :func:`_time_sends`); ``back_s``: from then until the last caller
     had its answer; ``round_s``: the whole round; ``gc_s``: seconds Python's garbage collector ran in this
-    process (the tokenizer manager's, as in the server actor) during the round (:class:`GCTimer`).
+    process (the tokenizer manager's, as in the server actor) during the round (:class:`~.processes.GcClock`).
 
     Returns:
         one dict per mode: ``{"mode", "requests", "rounds": [{"in_s", "back_s", "round_s", "gc_s"}], "in_s",
@@ -299,30 +301,6 @@ def rotated(modes, r: int) -> tuple:
     return tuple(modes[k:]) + tuple(modes[:k])
 
 
-class GCTimer:
-    """Seconds Python's garbage collector ran in this process (every thread) while it is entered, through
-    ``gc.callbacks``; :attr:`seconds` holds the sum once the block ends. A collection that started before
-    the block is not counted."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._t0: Optional[float] = None
-
-    def _callback(self, phase: str, _info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            self.seconds += time.perf_counter() - self._t0
-            self._t0 = None
-
-    def __enter__(self) -> "GCTimer":
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        gc.callbacks.remove(self._callback)
-
-
 def _time_sends(tm: Any, sent: List[float]) -> None:
     """Wrap the tokenizer manager ``tm``'s sends to the scheduler (on the instance) so that each request
     handed over appends the time (``time.perf_counter()``) to ``sent``: ``_send_one_request`` (one
@@ -363,7 +341,7 @@ async def _real_round(call, sent: List[float], requests: int, prompt_len: int, n
             raise AssertionError(f"an answer had {len(ids)} tokens, not {new_tokens}")
         done.append(time.perf_counter())
 
-    with GCTimer() as gc_time:
+    with GcClock() as gc_time:
         t0 = time.perf_counter()
         await asyncio.gather(*[one(i) for i in range(requests)])
     if len(sent) < requests:

@@ -158,7 +158,8 @@ class _Call:
     collector. Each generate in flight on the caller's loop held 75 tracked objects before and 48 since
     (SGLang's own call: 10; ``python -m sgl_rollout.bench requests``, CPU double); against a real engine
     (one H200, 256 concurrent requests) the way in's lag behind SGLang's own fell from 24 to 13 ms a round and
-    the garbage collector's extra time from 5.4 to 3.1 ms (``examples/bench/requests_h200_s15.json``)."""
+    the garbage collector's extra time from 5.4 to 3.0 and 3.2 ms in two runs
+    (``examples/bench/requests_h200_s15.json``)."""
 
     __slots__ = ("core", "make_coro", "on_done", "outer", "generation")
 
