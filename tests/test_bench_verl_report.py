@@ -817,3 +817,56 @@ def test_jit_cache_state_counts_each_cache_folder(tmp_path):
     assert state["triton"]["files"] == 1 and state["triton"]["bytes"] == 10
     assert state["flashinfer"]["files"] == 0 and state["flashinfer"]["path"].endswith(".cache/flashinfer")
     assert state["tvm-ffi"] == {"path": str(tmp_path / "none"), "files": 0, "bytes": 0}
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "verl" / "compare"
+
+
+def _run_main(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    verl_compare.add_arguments(parser)
+    return verl_compare.main(parser.parse_args(list(argv)))
+
+
+def test_from_json_rewrites_only_the_text_of_a_report_whose_spans_are_gone(tmp_path, capsys):
+    """``--report-only --from-json`` on a committed folder written before the step's-own-part line
+    (issue 47 goal 5): the line appears, computed from the json's own figures; the json is untouched and no
+    plot is written."""
+    src = EXAMPLES / "tools-3turn-h200x4" / "comparison.json"
+    out = tmp_path / "run"
+    out.mkdir()
+    shutil.copy(src, out / "comparison.json")
+    (out / "comparison.md").write_text("stale\n")
+    assert _run_main("--out", str(out), "--report-only", "--from-json") == 0
+    md = (out / "comparison.md").read_text()
+    assert md == capsys.readouterr().out and "stale" not in md
+    comp = json.loads(src.read_text())
+    assert (out / "comparison.json").read_bytes() == src.read_bytes() and not (out / "comparison.png").exists()
+    runs = comp["pairs"][0]["runs"]
+    owned = {s: verl_report.owned_seconds(runs[s])[0] for s in ("builtin", "ours")}
+    line = next(x for x in md.splitlines() if x.startswith("The step's own part"))
+    assert f"verl built-in {owned['builtin']:.3f} s" in line and f"sgl-rollout {owned['ours']:.3f} s" in line
+    assert f"{owned['ours'] / owned['builtin']:.2f}x" in line
+    # the committed report was written the same way (the line added after its run, nothing else changed)
+    assert md == (EXAMPLES / "tools-3turn-h200x4" / "comparison.md").read_text()
+
+
+def test_from_json_refuses_without_report_only_or_a_written_report(tmp_path, capsys):
+    assert _run_main("--out", str(tmp_path), "--from-json") == 2
+    assert "--from-json goes with --report-only" in capsys.readouterr().err
+    assert _run_main("--out", str(tmp_path), "--report-only", "--from-json") == 2
+    assert "no comparison.json" in capsys.readouterr().err
+    assert not (tmp_path / "comparison.md").exists()
+
+
+def test_every_committed_report_gives_the_step_s_own_part_in_one_line():
+    """Issue 47 goal 5: every ``comparison.md`` under ``examples/verl/compare`` says it, and it is the line
+    that report's own ``comparison.json`` gives."""
+    reports = sorted(EXAMPLES.glob("**/comparison.md"))
+    assert len(reports) >= 20
+    for md in reports:
+        got = [x for x in md.read_text().splitlines() if x.startswith("The step's own part")]
+        assert len(got) == 1 and got[0].endswith("(aim: <= 0.5x)"), md
+        if (md.parent / "comparison.json").is_file():  # else the report alone was committed (run-14)
+            comp = json.loads((md.parent / "comparison.json").read_text())
+            assert got == [x for x in verl_report.markdown(comp).splitlines() if x.startswith("The step's own part")], md

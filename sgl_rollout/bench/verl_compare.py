@@ -696,6 +696,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder (default runs/verl-compare-<date>-<time>)")
     p.add_argument("--title", default="", help="title of the report")
     p.add_argument("--report-only", action="store_true", help="re-write the report of --out's runs")
+    p.add_argument("--from-json", action="store_true",
+                   help="with --report-only: re-write only comparison.md, from --out's comparison.json alone (a "
+                   "change to the report's text, kept figures; for a folder whose raw files lost their spans)")
     p.add_argument("overrides", nargs="*", help="extra hydra overrides for both sides (after --)")
 
 
@@ -948,6 +951,16 @@ def main(args: argparse.Namespace) -> int:
         return 2
     n_val = 128
     config_path = out / "config.json"
+    if args.from_json and not args.report_only:
+        print("bench verl: --from-json goes with --report-only", file=sys.stderr)
+        return 2
+    if args.from_json:
+        try:
+            print(verl_report.rewrite_markdown(out), end="")
+        except FileNotFoundError as exc:
+            print(f"bench verl: {exc}", file=sys.stderr)
+            return 2
+        return 0
     if args.report_only:
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         n_pairs = max([args.pairs, int(config.get("pairs") or 1)] + recorded_pairs(out))

@@ -1530,6 +1530,24 @@ def _raw_dir(run_dir: Path, out_dir: Path, unpacked: Path) -> Path:
     return packed if packed.is_dir() else run_dir
 
 
+def rewrite_markdown(out_dir: Path) -> str:
+    """Write ``out_dir``'s ``comparison.md`` again from its ``comparison.json`` alone and return it
+    (``bench verl --report-only --from-json``): for a change to the report's text, such as a line added
+    after the run (issue 47's :func:`_owned_line`), in a folder whose raw archive no longer holds the
+    spans that :func:`write_report` would need to keep every section. The figures, ``comparison.json``
+    and ``comparison.png`` stay as they are.
+
+    Raises:
+        FileNotFoundError: no ``comparison.json`` in ``out_dir``.
+    """
+    src = Path(out_dir) / "comparison.json"
+    if not src.is_file():
+        raise FileNotFoundError(f"no comparison.json in {out_dir} (--from-json re-writes a written report)")
+    text = markdown(json.loads(src.read_text()))
+    (Path(out_dir) / "comparison.md").write_text(text)
+    return text
+
+
 def write_report(out_dir: Path, run_dirs: Dict[int, Dict[str, Path]], config: Optional[dict] = None,
                  n_val: int = 128, orders: Optional[Dict[int, Iterable[str]]] = None) -> dict:
     """Write ``comparison.json``, ``comparison.md`` and ``comparison.png`` into ``out_dir``; returns the
