@@ -765,6 +765,12 @@ def test_nvml_sampler_records_each_process_names_memory_once_a_second():
     (b"sglang::scheduler_TP0\0", "sglang::scheduler_TP0"),
     (b"/usr/bin/python3\0-m\0verl.trainer.main_ppo\0algorithm.adv_estimator=grpo\0", "python3 -m verl.trainer.main_ppo"),
     (b"python\0/tmp/run/train.py\0--x\0", "python train.py"),
+    # the interpreter's flags before the script or module (Ray starts its monitors with -u)
+    (b"/usr/bin/python3\0-u\0/site/ray/_private/log_monitor.py\0--logs-dir=/tmp\0", "python3 log_monitor.py"),
+    (b"python\0-X\0faulthandler\0-m\0pkg.mod\0", "python -m pkg.mod"),
+    (b"python\0-c\0import x\0", "python"),
+    (b"/site/ray/core/src/ray/raylet/raylet\0--node_ip_address=1.2.3.4\0/site/setup_worker.py\0", "raylet"),
+    (b"/usr/bin/tool\0job.cfg\0", "tool job.cfg"),
     (b"", "pid 42"),
 ])
 def test_process_names_are_roles_not_pids(tmp_path, cmdline, name):

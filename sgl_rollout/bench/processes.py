@@ -62,7 +62,8 @@ class GcClock:
 def process_name(pid: int, proc: str = "/proc") -> str:
     """A process's role, stable across runs: a Ray worker's title without its method
     (``ray::WorkerDict``, ``ray::VerlRolloutServer``, ``ray::SGLangHttpServer``), a set title as is
-    (``sglang::scheduler``), else the program and its module or script (``python3 -m verl.trainer.main_ppo``);
+    (``sglang::scheduler``), else the program and its module or script (``python3 -m verl.trainer.main_ppo``,
+    ``python log_monitor.py`` for ``python -u .../log_monitor.py``);
     ``"pid <pid>"`` where ``/proc`` cannot tell (the process is gone, or in another PID namespace)."""
     try:
         raw = (Path(proc) / str(pid) / "cmdline").read_bytes()
@@ -77,10 +78,17 @@ def process_name(pid: int, proc: str = "/proc") -> str:
     if "::" in first:
         return first
     name = os.path.basename(first)
-    if len(args) > 2 and args[1] == "-m":
-        return f"{name} -m {args[2]}"
-    if len(args) > 1 and not args[1].startswith("-"):
-        return f"{name} {os.path.basename(args[1])}"
+    if not name.startswith("python"):
+        return f"{name} {os.path.basename(args[1])}" if len(args) > 1 and not args[1].startswith("-") else name
+    rest = iter(args[1:])
+    for a in rest:  # the interpreter's own flags (``-u``, ``-X opt``) come before the module or script
+        if a == "-m":
+            module = next(rest, None)
+            return f"{name} -m {module}" if module else name
+        if a == "-c" or not a.startswith("-"):
+            return name if a == "-c" else f"{name} {os.path.basename(a)}"
+        if a in ("-X", "-W"):
+            next(rest, None)
     return name
 
 

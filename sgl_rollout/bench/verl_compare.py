@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .cpu_use import CPU_FILE, CpuSampler
 from .processes import jit_cache_state, process_name
 from .verl_trainers import MODULES, SYNC_KEYS, TRAINERS, override_value, split_gpus, trainer_overrides, with_overrides
 
@@ -466,7 +467,8 @@ def _kill_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 
 def run_side(side: str, pair: int, cmd: List[str], env: Dict[str, str], run_dir: Path, steps: int,
              timeout_s: float, sampler_factory=NvmlSampler) -> dict:
-    """Run one side in a fresh process group; write ``train.log``, ``nvml.json`` and ``run.json``.
+    """Run one side in a fresh process group; write ``train.log``, ``nvml.json``, ``cpu.json`` (the CPU time of
+    the side's processes by role, :class:`~.cpu_use.CpuSampler`) and ``run.json``.
 
     Returns:
         ``run.json``'s content: ``side``, ``pair``, ``steps`` (planned), ``exit_code`` (None on a
@@ -482,6 +484,7 @@ def run_side(side: str, pair: int, cmd: List[str], env: Dict[str, str], run_dir:
     with open(run_dir / "train.log", "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 cwd=str(run_dir))
+        cpu = CpuSampler(proc.pid).start()
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -490,7 +493,10 @@ def run_side(side: str, pair: int, cmd: List[str], env: Dict[str, str], run_dir:
             _kill_group(proc)
             raise
         finally:
-            _kill_group(proc)
+            try:  # before the kill: the side's processes are still there for the last sample
+                (run_dir / CPU_FILE).write_text(json.dumps(cpu.stop()) + "\n")
+            finally:
+                _kill_group(proc)
     wall = time.monotonic() - t0
     nvml = sampler.stop()
     (run_dir / "nvml.json").write_text(json.dumps(nvml) + "\n")

@@ -3,7 +3,8 @@ the per-phase breakdown of ``timing_s/update_weights``, ``comparison.json``, the
 
 A run folder (one side of one pair, written by :mod:`.verl_compare`) holds ``metrics.jsonl`` (verl's
 file logger, ``verl/utils/tracking.py``), ``spans/spans-<pid>.jsonl`` (:mod:`.verl_probe`), ``nvml.json``
-(device memory seen through NVML) and ``run.json`` (exit status, command, what differed). Any of them
+(device memory seen through NVML), ``cpu.json`` (the CPU time of the side's processes by role,
+:mod:`.cpu_use`; runs since 2026-11-29) and ``run.json`` (exit status, command, what differed). Any of them
 may be missing or cut short: a run that failed part-way is reported as such, with what it logged.
 A committed run folder (``examples/verl/compare/<run>/``) keeps those files in one ``raw.tar.xz`` at its
 top instead (:data:`RAW_ARCHIVE`), which :func:`write_report` reads in their place.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ..workloads import SCORE_KEY, load_metrics, metric_value, val_accuracy
+from .cpu_use import CPU_FILE, cpu_in_windows
 from .verl_trainers import ASYNC_KEYS
 
 #: The two sides of a pair, in the order of the table's columns.
@@ -338,20 +340,49 @@ def gen_breakdown(spans: List[dict]) -> Dict[int, List[Tuple[str, float, Dict[st
     Returns:
         step -> ``[(phase, seconds, {child: value})]``; a step without request spans is left out.
     """
-    lead = steps_of(spans)
-    updates = {step: ss[0] for step, ss in lead.items()}
+    named = _by_name(spans)
+    stalls_seen = any(named.get(n) for n in ("probe.stall_watch", "probe.loop_stall", "probe.gil_stall"))
+    out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
+    for step, t0, t1 in _generation_windows(spans):
+        phases = _gen_window(named, t0, t1, stalls_seen)
+        if phases is not None:
+            out[step] = phases
+    return out
+
+
+def _by_name(spans: List[dict]) -> Dict[str, List[dict]]:
     named: Dict[str, List[dict]] = {}
     for s in spans:
         named.setdefault(s["name"], []).append(s)
-    stalls_seen = any(named.get(n) for n in ("probe.stall_watch", "probe.loop_stall", "probe.gil_stall"))
-    out: Dict[int, List[Tuple[str, float, Dict[str, float]]]] = {}
+    return named
+
+
+def _generation_windows(spans: List[dict]) -> List[Tuple[int, float, float]]:
+    """``(step, end of the update before it, start of its own update or inf)`` of each training step whose
+    generation follows an update of the lead trainer rank (:func:`steps_of`)."""
+    updates = {step: ss[0] for step, ss in steps_of(spans).items()}
+    out = []
     for prev_step, w in sorted(updates.items()):
-        t0 = _end(w)
         nxt = updates.get(prev_step + 1)
-        t1 = nxt["t0"] if nxt is not None else math.inf
-        phases = _gen_window(named, t0, t1, stalls_seen)
-        if phases is not None:
-            out[prev_step + 1] = phases
+        out.append((prev_step + 1, _end(w), nxt["t0"] if nxt is not None else math.inf))
+    return out
+
+
+def _requests_in(named: Dict[str, List[dict]], t0: float, t1: float) -> List[dict]:
+    """SGLang's request spans (:data:`GEN_REQUEST`) that started in ``[t0, t1)``."""
+    return [s for s in named.get(GEN_REQUEST, []) if t0 <= s["t0"] < t1]
+
+
+def serving_windows(spans: List[dict]) -> Dict[int, Tuple[float, float]]:
+    """step -> ``(first request, last answer)``, wall-clock seconds: the window in which the step's requests
+    were served (``gen: first request -> last answer`` of :func:`gen_breakdown`); steps without request
+    spans are left out."""
+    named = _by_name(spans)
+    out = {}
+    for step, t0, t1 in _generation_windows(spans):
+        reqs = _requests_in(named, t0, t1)
+        if reqs:
+            out[step] = (min(s["t0"] for s in reqs), max(_end(s) for s in reqs))
     return out
 
 
@@ -359,7 +390,7 @@ def _gen_window(named: Dict[str, List[dict]], t0: float, t1: float,
                 stalls_seen: bool) -> Optional[List[Tuple[str, float, Dict[str, float]]]]:
     """The generation phases of one step (:func:`gen_breakdown`): between the end ``t0`` of one update
     and the start ``t1`` of the next (inf: none); ``named``: the spans by name. None without request spans."""
-    reqs = [s for s in named.get(GEN_REQUEST, []) if t0 <= s["t0"] < t1]
+    reqs = _requests_in(named, t0, t1)
     if not reqs:
         return None
     first, last = min(s["t0"] for s in reqs), max(_end(s) for s in reqs)
@@ -499,7 +530,8 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
         ``update_phase_order``, ``update_split`` (``"verl"`` / ``"rollout"`` -> ``{"median", "p90", "n",
         "values"}``, seconds: :func:`update_split` of each of those steps), ``gen_phases`` with
         ``gen_phase_order`` (the same for
-        :func:`gen_breakdown`, over the same steps), ``per_step`` (step -> verl timings, for the plot), and
+        :func:`gen_breakdown`, over the same steps), ``cpu_serving`` (:func:`cpu_while_serving`, where the
+        run has ``cpu.json`` and request spans), ``per_step`` (step -> verl timings, for the plot), and
         ``server_args`` (:func:`server_args_of`; :func:`compare` takes it out and keeps the differences).
     """
     run_dir = Path(run_dir)
@@ -537,7 +569,31 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
                                                  for label in [name] + [f"{name} / {k}" for k in kids]))
     out["gen_phases"] = _phase_stats(_collect_phases(gen))
     out["ckpt_phases"] = ckpt_phases(spans)
+    cpu = cpu_while_serving(_read_json(run_dir / CPU_FILE), serving_windows(spans), later_steps)
+    if cpu:
+        out["cpu_serving"] = cpu
     return out
+
+
+#: The row of :func:`cpu_while_serving` that sums every process, and the one with the window's length.
+CPU_ALL, CPU_WINDOW = "all processes", "(the window, s)"
+
+
+def cpu_while_serving(cpu: dict, windows: Dict[int, Tuple[float, float]], steps) -> Dict[str, dict]:
+    """CPU seconds each process role used while each of ``steps`` served its requests (``cpu.json`` of
+    :class:`~.cpu_use.CpuSampler`, in :func:`serving_windows`): role -> ``{"median", "p90", "n"}`` over the
+    steps, plus :data:`CPU_ALL` (every role) and :data:`CPU_WINDOW` (the window's length, s); ``{}`` without
+    a record or a window inside it."""
+    per_step = cpu_in_windows(cpu, {k: v for k, v in windows.items() if k in steps})
+    if not per_step:
+        return {}
+    collected: Dict[str, List[float]] = collections.defaultdict(list)
+    for step, by_role in per_step.items():
+        for role, used in by_role.items():
+            collected[role].append(used)
+        collected[CPU_ALL].append(sum(by_role.values()))
+        collected[CPU_WINDOW].append(windows[step][1] - windows[step][0])
+    return _phase_stats(collected)
 
 
 #: Span-name prefix of verl's checkpoint-engine steps (:data:`.verl_probe.TARGETS`).
@@ -1150,6 +1206,7 @@ def markdown(comparison: dict) -> str:
                               "Where `timing_s/gen` goes (median over steps after the first; ms, request counts as "
                               "numbers; the first phase starts before verl's `gen` timer; a row `a / b` under "
                               "`last answer -> replica.sleep` is how long after the last answer b happened):")
+        lines += _cpu_lines(runs, cols)
     return "\n".join(lines) + "\n"
 
 
@@ -1362,6 +1419,25 @@ def _short(value: Any, width: int = 60) -> str:
     return (text if len(text) <= width else text[: width - 3] + "...").replace("|", "\\|")
 
 
+def _cpu_lines(runs: dict, cols: List[str]) -> List[str]:
+    """Markdown lines: CPU seconds by process role while the requests were served (:func:`cpu_while_serving`),
+    the busiest roles first, then every process and the window; none without records."""
+    got = {s: runs[s].get("cpu_serving") or {} for s in cols}
+    if not any(got.values()):
+        return []
+    roles = sorted({n for g in got.values() for n in g} - {CPU_ALL, CPU_WINDOW},
+                   key=lambda n: -max((g.get(n) or {}).get("median") or 0.0 for g in got.values()))
+    out = ["CPU seconds by process while the step's requests were served (first request -> last answer; "
+           "user + system, every process below the side's root, summed by role; psutil every 0.5 s, linear "
+           "between samples; median over steps after the first):", "",
+           "| process | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
+           "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+    for n in roles + [CPU_ALL, CPU_WINDOW]:
+        cells = [_f((got[s].get(n) or {}).get("median"), ".2f") if n in got[s] else "" for s in cols]
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
 def _sm_lines(runs: dict, cols: List[str]) -> List[str]:
     """Markdown lines: each process's SM use per side (:func:`sm_by_process`); none without records."""
     got = {s: runs[s].get("sm_by_process") or {} for s in cols}
@@ -1498,7 +1574,7 @@ def save_palette_png(fig, path: Path, dpi: int) -> None:
 
 
 #: The raw files of a committed run folder, in one archive at its top: ``pairN/<side>/`` (``metrics.jsonl``,
-#: ``run.json``, ``nvml.json``, where kept ``spans/``) and ``bench.log``, as the runner wrote them.
+#: ``run.json``, ``nvml.json``, where kept ``cpu.json`` and ``spans/``) and ``bench.log``, as the runner wrote them.
 RAW_ARCHIVE = "raw.tar.xz"
 
 
