@@ -125,3 +125,35 @@ def test_the_gc_clock_of_each_round_counts_the_collections_inside_its_block_only
     gc.collect()  # outside: not counted
     assert before > 0 and inside.seconds == before
     assert inside._on not in gc.callbacks
+
+
+def test_through_ray_every_way_answers_every_request_and_the_command_prints_a_row_each(tmp_path):
+    """``--engine ray``: two sending actors into each server actor (the floor, this package's) on a local CPU
+    Ray cluster; every answer is its request's (checked in the senders), every figure comes from a round."""
+    out = tmp_path / "ray.json"
+    proc = subprocess.run([sys.executable, "-m", "sgl_rollout.bench", "requests", "--engine", "ray", "--requests", "16",
+                           "--clients", "2", "--rounds", "2", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from sgl_rollout.bench.ray_requests import RAY_MODES
+
+    rows = [ln.split()[0] for ln in proc.stdout.splitlines() if ln.split() and ln.split()[0] in RAY_MODES]
+    assert rows == list(RAY_MODES)
+    got = json.loads(out.read_text())
+    for r in got:
+        assert r["requests"] == 16 and r["clients"] == 2 and len(r["rounds"]) == 2
+        for row in r["rounds"]:
+            assert 0 < row["kth_in_s"] <= row["last_in_s"] and row["back_s"] > 0 and row["loop_cpu_s"] > 0
+        assert r["kth_in_s"] == pytest.approx(sum(x["kth_in_s"] for x in r["rounds"]) / 2)
+
+
+def test_through_ray_a_wrong_or_lost_answer_is_caught():
+    from sgl_rollout.bench.ray_requests import _round_figures
+
+    sends = [{"sent": [1.0, 1.1], "done": [2.0, 2.1], "wrong": 0}]
+    assert _round_figures(sends, {"arrivals": [1.2, 1.05], "answered": 1.5}, 2) == {
+        "kth_in_s": pytest.approx(0.075), "last_in_s": pytest.approx(0.2), "back_s": pytest.approx(0.6)}
+    with pytest.raises(AssertionError, match="1 wrong answers"):
+        _round_figures([dict(sends[0], wrong=1)], {"arrivals": [1.2, 1.05], "answered": 1.5}, 2)
+    with pytest.raises(AssertionError, match="1 of 2 requests arrived"):
+        _round_figures(sends, {"arrivals": [1.2], "answered": 1.5}, 2)

@@ -206,3 +206,43 @@ def test_a_death_that_cancels_the_task_before_failing_the_call_still_raises_engi
         return "done"
 
     assert _on_a_loop_thread(scenario) == "done"
+
+
+def test_request_ids_are_unique_and_drawn_without_the_os_random_source_per_request(monkeypatch):
+    """SGLang gets a fresh rid per request (its abort and its state are keyed by it) from a counter under a
+    per-process prefix, not from ``uuid.uuid4()``, which reads the OS's random source and lets go of the GIL
+    on every request of a Ray actor's loop."""
+    import threading
+    import uuid
+
+    from sgl_rollout.engine import generate
+
+    def no_uuid4():
+        raise AssertionError("uuid4 drawn for a request")
+
+    monkeypatch.setattr(uuid, "uuid4", no_uuid4)
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.extend(generate.new_rid() for _ in range(2000))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen)) == 8000 and all(r.startswith(generate.RID_PREFIX + "-") for r in seen)
+    assert len(generate.RID_PREFIX) == 12 and int(generate.RID_PREFIX, 16) >= 0
+
+    eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine)
+    sent = []
+    real = eng._engine.async_generate
+
+    async def spy(input_ids, *args, rid=None, **kwargs):
+        sent.append(rid)
+        return await real(input_ids, *args, rid=rid, **kwargs)
+
+    eng._engine.async_generate = spy
+    try:
+        eng.generate([[1, 2]], {"max_new_tokens": 1}, n=2)  # a batch of two: two rids
+        eng.generate([[3]], {"max_new_tokens": 1})  # one request: a bare rid
+    finally:
+        eng.shutdown()
+    assert len(sent[0]) == 2 and isinstance(sent[1], str)
+    assert len({*sent[0], sent[1]}) == 3 and all(r.startswith(generate.RID_PREFIX) for r in [*sent[0], sent[1]])

@@ -355,9 +355,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=256, help="concurrent requests per round (verl: batch x n)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--modes", default=None, help=f"comma-separated, of {MODES} (with --engine sglang: of "
-                   f"{REAL_MODES}); default: all")
-    p.add_argument("--engine", choices=("double", "sglang"), default="double",
-                   help="double: the CPU engine double; sglang: a real SGLang engine on a GPU (measure_real)")
+                   f"{REAL_MODES}; with --engine ray: of ('sglang', 'verl-server')); default: all")
+    p.add_argument("--engine", choices=("double", "sglang", "ray"), default="double",
+                   help="double: the CPU engine double; sglang: a real SGLang engine on a GPU (measure_real); "
+                   "ray: the double behind a Ray server actor, sent to from --clients Ray actors "
+                   "(sgl_rollout.bench.ray_requests)")
+    p.add_argument("--clients", type=int, default=4, help="with --engine ray: sending actors (verl's agent-loop "
+                   "workers), each sending its share of --requests")
     p.add_argument("--out", default="bench_requests.json")
 
 
@@ -365,7 +369,15 @@ def main(args: argparse.Namespace) -> int:
     """Measure each mode, print a table (ms per round, microseconds per request) and write ``args.out``."""
     n = args.requests
     ms, us = ("ms", 1e3), ("us", 1e6 / n)
-    if args.engine == "sglang":
+    if args.engine == "ray":
+        from .ray_requests import RAY_MODES, measure_ray
+
+        results = measure_ray(tuple((args.modes or ",".join(RAY_MODES)).split(",")), n, args.clients, args.rounds)
+        title = (f"{n} requests from {args.clients} Ray actors into one server actor (CPU, engine double), "
+                 f"median of {args.rounds} rounds:")
+        cols = [("k-th in (ms)", "kth_in_s", ms), ("last in (ms)", "last_in_s", ms), ("back (ms)", "back_s", ms),
+                ("loop CPU us/request", "loop_cpu_s", ("us", 1e6))]
+    elif args.engine == "sglang":
         results = measure_real(tuple((args.modes or ",".join(REAL_MODES)).split(",")), n, args.rounds)
         title = f"{n} concurrent requests into one SGLang engine, median of {args.rounds} rounds:"
         cols = [("all in (ms)", "in_s", ms), ("all back (ms)", "back_s", ms), ("round (ms)", "round_s", ms),
