@@ -6,14 +6,14 @@ actor (its ``generate`` to SGLang's ``generate_request``) is a fraction of a mil
 delivery of the call to the actor. This benchmark asks whether the server actor itself makes that delivery
 slower. Each round, ``clients`` Ray actors (as verl's ``AgentLoopWorker``\\ s) send ``requests`` concurrent
 ``generate`` calls, their share each, to one server actor holding the CPU engine double
-(:class:`~.requests.BatchAnswerEngine`, which answers the round at once when its last request is in):
+(:class:`~.request_double.BatchAnswerEngine`, which answers the round at once when its last request is in):
 
 * ``sglang``: an actor whose ``generate`` awaits the double directly and answers verl's ``TokenOutput``, as
   verl's ``SGLangHttpServer`` awaits SGLang's tokenizer manager (the floor; needs verl);
 * ``verl-server``: this package's :class:`~sgl_rollout.integrations.verl_server.VerlRolloutServer` over the
   double, as verl's replica makes it (needs verl).
 
-The two modes alternate within each round (:func:`~.requests.rotated`). Per round: ``kth_in_s``, the median
+The two modes alternate within each round (:func:`~.request_double.rotated`). Per round: ``kth_in_s``, the median
 over k of the k-th arrival at the double less the k-th send (the report's ``client -> SGLang, k-th
 request``); ``last_in_s``, the last arrival less the first send; ``back_s``, the double's answer to the last
 client having its answer; ``loop_cpu_s``, the CPU time of the server actor's event loop thread over the round
@@ -30,13 +30,13 @@ import statistics
 import time
 from typing import Any, Dict, List
 
-from .requests import BatchAnswerEngine, rotated
+from .request_double import BatchAnswerEngine, rotated
 
 RAY_MODES = ("sglang", "verl-server")
 
 
 class WallClockEngine(BatchAnswerEngine):
-    """:class:`~.requests.BatchAnswerEngine` that also keeps, per round, the wall-clock time each request
+    """:class:`~.request_double.BatchAnswerEngine` that also keeps, per round, the wall-clock time each request
     arrived (``arrivals``) and the time the round was answered (``answered_wall``), for clocks compared
     across processes."""
 
