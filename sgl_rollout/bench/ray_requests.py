@@ -11,7 +11,9 @@ slower. Each round, ``clients`` Ray actors (as verl's ``AgentLoopWorker``\\ s) s
 * ``sglang``: an actor whose ``generate`` awaits the double directly and answers verl's ``TokenOutput``, as
   verl's ``SGLangHttpServer`` awaits SGLang's tokenizer manager (the floor; needs verl);
 * ``verl-server``: this package's :class:`~sgl_rollout.integrations.verl_server.VerlRolloutServer` over the
-  double, as verl's replica makes it (needs verl).
+  double, as verl's replica makes it (needs verl). As in verl's run, its engine has SGLang freeze the
+  garbage collector of the actor's process after the first answer (:class:`WallClockEngine`); the floor's
+  never is, as verl's server never asks.
 
 The two modes alternate within each round (:func:`~.request_double.rotated`). Per round: ``kth_in_s``, the median
 over k of the k-th arrival at the double less the k-th send (the report's ``client -> SGLang, k-th
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import statistics
 import time
 from typing import Any, Dict, List
@@ -38,7 +41,17 @@ RAY_MODES = ("sglang", "verl-server")
 class WallClockEngine(BatchAnswerEngine):
     """:class:`~.request_double.BatchAnswerEngine` that also keeps, per round, the wall-clock time each request
     arrived (``arrivals``) and the time the round was answered (``answered_wall``), for clocks compared
-    across processes."""
+    across processes; and whose tokenizer manager has SGLang's ``freeze_gc`` (``gc.freeze()`` in this
+    process, as ``TokenizerManager.freeze_gc`` freezes the process it runs in), which this package's engine
+    calls after its first answer and verl's ``SGLangHttpServer`` never calls."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tokenizer_manager.freeze_gc = self._freeze_gc
+
+    @staticmethod
+    async def _freeze_gc() -> None:
+        gc.freeze()
 
     def new_round(self) -> None:
         super().new_round()

@@ -245,9 +245,9 @@ def new_rid() -> str:
     of the GIL. In a Ray actor the loop that serves the requests shares the GIL with Ray's own threads, and
     each such call may leave it waiting to get the GIL back. Through Ray on a 2-core CPU (``python -m
     sgl_rollout.bench requests --engine ray``, three runs each, medians;
-    ``examples/bench/requests_ray_cpu_s16.json``), this package's server actor's loop spent 89 us of CPU per
-    request more than a plain actor's with a uuid per request, and 70 us with the counter; its k-th request
-    arrived 9.5 and 5.5 ms after the plain actor's.
+    ``examples/bench/requests_ray_cpu_s16.json``), this package's server actor's loop spent 79 us of CPU per
+    request more than a plain actor's with a uuid per request, and 52 us with the counter; its k-th request
+    arrived 9.2 and 6.0 ms after the plain actor's.
     """
     return f"{RID_PREFIX}-{next(_rid_numbers):x}"
 
