@@ -228,6 +228,10 @@ def test_request_ids_are_unique_and_drawn_without_the_os_random_source_per_reque
     for t in threads:
         t.join()
     assert len(set(seen)) == 8000 and all(r.startswith(generate.RID_PREFIX + "-") for r in seen)
+    # SGLang's scheduler aborts every rid that starts with the aborted one: no id may start another
+    assert len({len(r) for r in seen}) == 1
+    ordered = sorted(seen)
+    assert not any(b.startswith(a) for a, b in zip(ordered, ordered[1:]))
     assert len(generate.RID_PREFIX) == 12 and int(generate.RID_PREFIX, 16) >= 0
 
     eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine)

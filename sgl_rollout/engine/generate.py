@@ -239,7 +239,12 @@ _rid_numbers = itertools.count()
 
 def new_rid() -> str:
     """A request id for SGLang (``GenerateReqInput.rid``), unique in this process: :data:`RID_PREFIX`, a dash
-    and a counter in hex (``itertools.count``: one step per call, atomic under the GIL).
+    and a counter as 16 hex digits (``itertools.count``: one step per call, atomic under the GIL).
+
+    Every id has the same length, so none is the start of another: SGLang's scheduler aborts every request
+    whose rid starts with the aborted one (``req.rid.startswith(recv_req.rid)``,
+    ``sglang/srt/managers/scheduler.py``, 0.5.12), and a plain counter would abort request ``...-10`` with
+    ``...-1``.
 
     Not ``uuid.uuid4()`` per request: that reads the OS's random source, a call during which Python lets go
     of the GIL. In a Ray actor the loop that serves the requests shares the GIL with Ray's own threads, and
@@ -249,7 +254,7 @@ def new_rid() -> str:
     request more than a plain actor's with a uuid per request, and 52 us with the counter; its k-th request
     arrived 9.2 and 6.0 ms after the plain actor's.
     """
-    return f"{RID_PREFIX}-{next(_rid_numbers):x}"
+    return f"{RID_PREFIX}-{next(_rid_numbers):016x}"
 
 
 def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
