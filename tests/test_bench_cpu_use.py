@@ -65,12 +65,14 @@ def test_sampler_counts_the_cpu_of_the_processes_below_the_root_by_role(tmp_path
     assert times == sorted(times) and abs(times[-1] - time.time()) < 30
 
 
-def test_sampler_without_psutil_records_why_and_the_run_goes_on():
-    class NoTable:
-        def process_iter(self, attrs):
-            raise PermissionError("no /proc here")
+def test_sampler_without_psutil_records_why_and_the_run_goes_on(monkeypatch):
+    import psutil
 
-    sampler = CpuSampler(1, psutil_module=NoTable()).start()
+    def no_table(*_args, **_kwargs):
+        raise PermissionError("no /proc here")
+
+    monkeypatch.setattr(psutil, "process_iter", no_table)
+    sampler = CpuSampler(1).start()
     rec = sampler.stop()
     assert rec["rows"] == [] and "PermissionError: no /proc here" in rec["error"]
 

@@ -19,6 +19,13 @@ FIXTURES = Path(__file__).parent / "fixtures" / "verl_compare"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def _run_main(*argv: str) -> int:
+    """``python -m sgl_rollout.bench verl`` with ``argv``, in this process; its exit status."""
+    parser = argparse.ArgumentParser()
+    verl_compare.add_arguments(parser)
+    return verl_compare.main(parser.parse_args(list(argv)))
+
+
 def report_only(tmp_path: Path, name: str, edit=None):
     """Copy fixture ``name`` into ``tmp_path`` (then ``edit(copy)``) and run the command's
     ``--report-only`` path on it."""
@@ -26,9 +33,7 @@ def report_only(tmp_path: Path, name: str, edit=None):
     shutil.copytree(FIXTURES / name, out)
     if edit is not None:
         edit(out)
-    parser = argparse.ArgumentParser()
-    verl_compare.add_arguments(parser)
-    assert verl_compare.main(parser.parse_args(["--out", str(out), "--report-only"])) == 0
+    assert _run_main("--out", str(out), "--report-only") == 0
     comp = json.loads((out / "comparison.json").read_text())
     return comp, (out / "comparison.md").read_text(), out
 
@@ -820,12 +825,6 @@ def test_jit_cache_state_counts_each_cache_folder(tmp_path):
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "verl" / "compare"
-
-
-def _run_main(*argv: str) -> int:
-    parser = argparse.ArgumentParser()
-    verl_compare.add_arguments(parser)
-    return verl_compare.main(parser.parse_args(list(argv)))
 
 
 def test_from_json_rewrites_only_the_text_of_a_report_whose_spans_are_gone(tmp_path, capsys):

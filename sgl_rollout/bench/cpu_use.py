@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from ..engine.lifecycle import processes_below
 from .processes import process_name
 
 #: Name of the side's file this module's figures are kept in (next to ``nvml.json``).
@@ -31,8 +32,8 @@ CPU_FILE = "cpu.json"
 class CpuSampler:
     """Cumulative CPU seconds of a process tree, by process role, sampled in a thread (psutil).
 
-    Each sample reads the process table once (``psutil.process_iter``), takes every process below
-    ``root_pid`` (and the root), and adds to its role the CPU time (``cpu_times().user + .system``,
+    Each sample reads the process table once (:func:`~sgl_rollout.engine.lifecycle.processes_below`, as the
+    engine's watchdog does), takes every process below ``root_pid`` (and the root), and adds to its role the CPU time (``cpu_times().user + .system``,
     seconds; children's times not included) it used since the last sample; a process first seen adds
     all of its time so far (it started during the run). A process that ends between two samples loses
     what it used since the last one (at most ``interval_s`` of it).
@@ -40,7 +41,6 @@ class CpuSampler:
     Args:
         root_pid: the side's process (the runner's child).
         interval_s: seconds between samples.
-        psutil_module: psutil or a double (None: import psutil).
 
     ``stop()`` returns ``cpu.json``'s content: ``{"interval_s", "names": [role, ...], "rows": [[t, cpu s of
     each role], ...], "error"}``, ``t`` wall-clock seconds (``time.time()``, comparable with the probe's
@@ -48,10 +48,9 @@ class CpuSampler:
     first process appeared).
     """
 
-    def __init__(self, root_pid: int, interval_s: float = 0.5, psutil_module=None):
+    def __init__(self, root_pid: int, interval_s: float = 0.5):
         self.root_pid = int(root_pid)
         self.interval_s = interval_s
-        self._psutil = psutil_module
         self._seen: Dict[int, float] = {}
         self._names: Dict[int, str] = {}
         self._total: Dict[str, float] = {}
@@ -61,22 +60,14 @@ class CpuSampler:
         self._thread: Optional[threading.Thread] = None
 
     def _tree(self) -> list:
-        """The root and every process below it, as psutil processes, from one pass over the table."""
-        children: Dict[int, list] = {}
-        root = None
-        for p in self._psutil.process_iter(["ppid"]):
-            if p.pid == self.root_pid:
-                root = p
-            ppid = p.info.get("ppid")
-            if ppid is not None:
-                children.setdefault(ppid, []).append(p)
-        tree, stack = ([root] if root is not None else []), [self.root_pid]
-        while stack:
-            for p in children.get(stack.pop(), ()):
-                if p.pid != self.root_pid:
-                    tree.append(p)
-                    stack.append(p.pid)
-        return tree
+        """The root (while it runs) and every process below it, as psutil processes."""
+        import psutil
+
+        try:
+            root = [psutil.Process(self.root_pid)]
+        except psutil.NoSuchProcess:
+            root = []
+        return root + list(processes_below({self.root_pid}).values())
 
     #: The role of CPU time whose process ended before its name could be read.
     ENDED = "(ended before it was named)"
@@ -105,12 +96,9 @@ class CpuSampler:
         self._rows.append((time.time(), dict(self._total)))
 
     def start(self) -> "CpuSampler":
-        """Take the first sample and start the thread (no thread, with ``error`` set, without psutil)."""
+        """Take the first sample and start the thread (no thread, with ``error`` set, where psutil cannot
+        read the process table)."""
         try:
-            if self._psutil is None:
-                import psutil
-
-                self._psutil = psutil
             self.sample()
         except Exception as exc:  # noqa: BLE001 - the run goes on without the figure
             self.error = f"CPU sampling unavailable: {type(exc).__name__}: {exc}"
@@ -170,12 +158,9 @@ def cpu_in_windows(cpu: dict, windows: Dict[int, Tuple[float, float]]) -> Dict[i
     if len(rows) < 2:
         return {}
     times = [float(r[0]) for r in rows]
+    series = {name: [float(r[j + 1]) for r in rows] for j, name in enumerate(names)}
     out: Dict[int, Dict[str, float]] = {}
     for key, (a, b) in windows.items():
-        if not times[0] <= a <= b <= times[-1]:
-            continue
-        out[key] = {}
-        for j, name in enumerate(names):
-            series = [float(r[j + 1]) for r in rows]
-            out[key][name] = max(0.0, _at(times, series, b) - _at(times, series, a))
+        if times[0] <= a <= b <= times[-1]:
+            out[key] = {name: max(0.0, _at(times, v, b) - _at(times, v, a)) for name, v in series.items()}
     return out

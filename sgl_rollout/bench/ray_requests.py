@@ -33,7 +33,7 @@ import statistics
 import time
 from typing import Any, Dict, List
 
-from .request_double import BatchAnswerEngine, rotated
+from .request_double import BatchAnswerEngine, rotated, verl_server_args
 
 RAY_MODES = ("sglang", "verl-server")
 
@@ -179,17 +179,17 @@ def measure_ray(modes=RAY_MODES, requests: int = 256, clients: int = 4, rounds: 
             if m == "sglang":
                 servers[m] = ray.remote(PlainServer).options(max_concurrency=1000).remote(requests, output_len)
             else:
+                args, kwargs = verl_server_args(output_len)
                 actor = ray.remote(_ours_body(requests, output_len)).options(max_concurrency=1000).remote(
-                    {"model_path": "bench-double", "enforce_eager": True, "free_cache_engine": False},
-                    max_model_len=output_len + 64, response_length=output_len)
+                    *args, **kwargs)
                 ray.get(actor.start.remote())
                 servers[m] = actor
         senders = [ray.remote(Client).remote() for _ in range(clients)]
         per: Dict[str, List[Dict[str, float]]] = {m: [] for m in modes}
+        share = requests // clients
         for r in range(warmup + rounds):
             for m in rotated(modes, r):
                 ray.get(servers[m].new_round.remote())
-                share = requests // clients
                 cpu0 = ray.get(servers[m].loop_cpu.remote())
                 sends = ray.get([c.send.remote(servers[m], share, 1000 * k, output_len) for k, c in enumerate(senders)])
                 cpu = ray.get(servers[m].loop_cpu.remote()) - cpu0

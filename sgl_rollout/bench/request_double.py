@@ -7,7 +7,7 @@ import asyncio
 import gc
 import time
 import types
-from typing import Any, Optional
+from typing import Any, Dict, Optional, Tuple
 
 
 class BatchAnswerEngine:
@@ -64,3 +64,11 @@ def rotated(modes, r: int) -> tuple:
     same one (the scheduler may still be tidying up the previous round when the next one begins)."""
     k = r % len(modes) if modes else 0
     return tuple(modes[k:]) + tuple(modes[:k])
+
+
+def verl_server_args(output_len: int) -> Tuple[tuple, Dict[str, Any]]:
+    """``(args, kwargs)`` to build :class:`~sgl_rollout.integrations.verl_server.VerlRolloutServer` (or a
+    subclass whose ``engine_factory`` makes the double) as verl's replica does, with room for ``output_len``
+    new tokens (integers) after a short prompt."""
+    config = {"model_path": "bench-double", "enforce_eager": True, "free_cache_engine": False}
+    return (config,), {"max_model_len": output_len + 64, "response_length": output_len}

@@ -39,7 +39,7 @@ import time
 from typing import Any, Awaitable, Callable, Dict, List, Optional, Tuple
 
 from .processes import GcClock
-from .request_double import BatchAnswerEngine, rotated
+from .request_double import BatchAnswerEngine, rotated, verl_server_args
 
 MODES = ("sglang", "caller-loop", "engine-thread", "verl-server")
 #: The ways into a real engine (:func:`measure_real`): SGLang's tokenizer manager given one request, as verl's
@@ -161,8 +161,8 @@ async def _verl_server_call(requests: int, output_len: int):
     class Server(VerlRolloutServer):
         engine_factory = functools.partial(BatchAnswerEngine, requests, output_len)
 
-    server = Server({"model_path": "bench-double", "enforce_eager": True, "free_cache_engine": False},
-                    max_model_len=output_len + 64, response_length=output_len)
+    args, kwargs = verl_server_args(output_len)
+    server = Server(*args, **kwargs)
     await server.start()
 
     async def call(ids):

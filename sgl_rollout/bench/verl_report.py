@@ -569,9 +569,11 @@ def summarize_run(run_dir: Path, planned_steps: Optional[int] = None) -> dict:
                                                  for label in [name] + [f"{name} / {k}" for k in kids]))
     out["gen_phases"] = _phase_stats(_collect_phases(gen))
     out["ckpt_phases"] = ckpt_phases(spans)
-    cpu = cpu_while_serving(_read_json(run_dir / CPU_FILE), serving_windows(spans), later_steps)
-    if cpu:
-        out["cpu_serving"] = cpu
+    cpu_record = _read_json(run_dir / CPU_FILE)
+    if cpu_record:  # runs before 2026-11-29 have none: their spans are not walked a second time
+        cpu = cpu_while_serving(cpu_record, serving_windows(spans), later_steps)
+        if cpu:
+            out["cpu_serving"] = cpu
     return out
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import logging
 import itertools
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
