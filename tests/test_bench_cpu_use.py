@@ -185,3 +185,22 @@ def test_a_side_s_ray_cluster_is_below_its_root_and_counted_by_role(tmp_path):
     used = dict(zip(rec["names"], rec["rows"][-1][1:]))
     assert {"raylet", "gcs_server"} <= set(used), used
     assert 0.7 <= used["ray::Spinner"] < 10.0, used
+
+
+def test_cpu_table_sums_the_roles_under_a_hundredth_of_a_second_in_one_row():
+    def stat(x):
+        return {"median": x, "p90": x, "n": 5}
+
+    runs = {"builtin": {"cpu_serving": {"ray::SGLangHttpServer": stat(0.49), "raylet": stat(0.004),
+                                        "ray::IDLE": stat(0.02), verl_report.CPU_ALL: stat(0.514),
+                                        verl_report.CPU_WINDOW: stat(2.7)}},
+            "ours": {"cpu_serving": {"ray::VerlRolloutServer": stat(0.57), "raylet": stat(0.003),
+                                     "gcs_server": stat(0.006), "ray::IDLE": stat(0.001),
+                                     verl_report.CPU_ALL: stat(0.58), verl_report.CPU_WINDOW: stat(3.1)}}}
+    lines = verl_report._cpu_lines(runs, ["builtin", "ours"])
+    rows = [x for x in lines if x.startswith("| ") and not x.startswith("| process") and not x.startswith("| ---")]
+    names = [x.split("|")[1].strip() for x in rows]
+    # ray::IDLE stays (0.02 s on the built-in's side); raylet and gcs_server are under 0.01 s on both sides
+    assert names == ["ray::VerlRolloutServer", "ray::SGLangHttpServer", "ray::IDLE",
+                     "(2 other roles, each under 0.01 s)", verl_report.CPU_ALL, verl_report.CPU_WINDOW]
+    assert [c.strip() for c in rows[3].split("|")[2:4]] == ["0.00", "0.01"]  # 0.004 and 0.003 + 0.006

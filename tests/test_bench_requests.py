@@ -128,8 +128,9 @@ def test_the_gc_clock_of_each_round_counts_the_collections_inside_its_block_only
 
 
 def test_through_ray_every_way_answers_every_request_and_the_command_prints_a_row_each(tmp_path):
-    """``--engine ray``: two sending actors into each server actor (the floor, this package's) on a local CPU
-    Ray cluster; every answer is its request's (checked in the senders), every figure comes from a round."""
+    """``--engine ray``: two sending actors into each server actor (the floor, this package's, and this package's
+    with the floor's ``generate``) on a local CPU Ray cluster; every answer is its request's (checked in the
+    senders), every figure comes from a round."""
     out = tmp_path / "ray.json"
     proc = subprocess.run([sys.executable, "-m", "sgl_rollout.bench", "requests", "--engine", "ray", "--requests", "16",
                            "--clients", "2", "--rounds", "2", "--out", str(out)], cwd=REPO, capture_output=True,

@@ -13,7 +13,11 @@ slower. Each round, ``clients`` Ray actors (as verl's ``AgentLoopWorker``\\ s) s
 * ``verl-server``: this package's :class:`~sgl_rollout.integrations.verl_server.VerlRolloutServer` over the
   double, as verl's replica makes it (needs verl). As in verl's run, its engine has SGLang freeze the
   garbage collector of the actor's process after the first answer (:class:`WallClockEngine`); the floor's
-  never is, as verl's server never asks.
+  never is, as verl's server never asks;
+* ``verl-server-bare``: the same actor, started the same way (its engine, watchdog thread and frozen GC),
+  whose ``generate`` is the floor's: what it adds to ``sglang`` is this package's actor and process, and
+  what ``verl-server`` adds to it is this package's request path (``VerlRolloutServer.generate`` and the
+  engine's ``async_generate``).
 
 The two modes alternate within each round (:func:`~.request_double.rotated`). Per round: ``kth_in_s``, the median
 over k of the k-th arrival at the double less the k-th send (the report's ``client -> SGLang, k-th
@@ -35,7 +39,7 @@ from typing import Any, Dict, List
 
 from .request_double import BatchAnswerEngine, rotated, verl_server_args
 
-RAY_MODES = ("sglang", "verl-server")
+RAY_MODES = ("sglang", "verl-server", "verl-server-bare")
 
 
 class WallClockEngine(BatchAnswerEngine):
@@ -79,12 +83,7 @@ class PlainServer:
 
     async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None,
                        video_data=None):
-        from verl.workers.rollout.replica import TokenOutput
-
-        params = dict(sampling_params, max_new_tokens=self.output_len)
-        out = await self.double.async_generate(list(prompt_ids), params)
-        return TokenOutput(token_ids=out["output_ids"], log_probs=None, stop_reason=out["meta_info"]["finish_reason"]["type"],
-                           extra_fields={"global_steps": 0})
+        return await _plain_answer(self.double, prompt_ids, sampling_params, self.output_len)
 
     async def new_round(self) -> None:
         self.double.new_round()
@@ -96,12 +95,34 @@ class PlainServer:
         return time.thread_time()
 
 
-def _ours_body(requests: int, output_len: int):
-    """This package's server actor body over :class:`WallClockEngine` (imports verl)."""
+async def _plain_answer(double: WallClockEngine, prompt_ids, sampling_params: dict, output_len: int):
+    """What verl's ``SGLangHttpServer.generate`` does with one request: await the engine's own call and
+    answer verl's ``TokenOutput`` (needs verl)."""
+    from verl.workers.rollout.replica import TokenOutput
+
+    params = dict(sampling_params, max_new_tokens=output_len)
+    out = await double.async_generate(list(prompt_ids), params)
+    return TokenOutput(token_ids=out["output_ids"], log_probs=None, stop_reason=out["meta_info"]["finish_reason"]["type"],
+                       extra_fields={"global_steps": 0})
+
+
+def _ours_body(requests: int, output_len: int, bare: bool = False):
+    """This package's server actor body over :class:`WallClockEngine` (imports verl); with ``bare``, its
+    ``generate`` is the plain actor's (:func:`_plain_answer`, the double's GC frozen at the first request as
+    this package's engine freezes it after its first answer)."""
     from ..integrations.verl_server import VerlRolloutServer
 
     class OursServer(VerlRolloutServer):
         engine_factory = functools.partial(WallClockEngine, requests, output_len)
+
+        if bare:
+            async def generate(self, prompt_ids, sampling_params: dict, request_id: str, image_data=None,
+                               video_data=None):
+                double = self._engine._engine
+                if not getattr(self, "_gc_frozen", False):
+                    self._gc_frozen = True
+                    await double.tokenizer_manager.freeze_gc()
+                return await _plain_answer(double, prompt_ids, sampling_params, output_len)
 
         async def new_round(self) -> None:
             self._engine._engine.new_round()
@@ -180,8 +201,8 @@ def measure_ray(modes=RAY_MODES, requests: int = 256, clients: int = 4, rounds: 
                 servers[m] = ray.remote(PlainServer).options(max_concurrency=1000).remote(requests, output_len)
             else:
                 args, kwargs = verl_server_args(output_len)
-                actor = ray.remote(_ours_body(requests, output_len)).options(max_concurrency=1000).remote(
-                    *args, **kwargs)
+                actor = ray.remote(_ours_body(requests, output_len, bare=m == "verl-server-bare")).options(
+                    max_concurrency=1000).remote(*args, **kwargs)
                 ray.get(actor.start.remote())
                 servers[m] = actor
         senders = [ray.remote(Client).remote() for _ in range(clients)]

@@ -299,7 +299,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=256, help="concurrent requests per round (verl: batch x n)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--modes", default=None, help=f"comma-separated, of {MODES} (with --engine sglang: of "
-                   f"{REAL_MODES}; with --engine ray: of ('sglang', 'verl-server')); default: all")
+                   f"{REAL_MODES}; with --engine ray: of ('sglang', 'verl-server', 'verl-server-bare')); default: all")
     p.add_argument("--engine", choices=("double", "sglang", "ray"), default="double",
                    help="double: the CPU engine double; sglang: a real SGLang engine on a GPU (measure_real); "
                    "ray: the double behind a Ray server actor, sent to from --clients Ray actors "
@@ -337,9 +337,10 @@ def main(args: argparse.Namespace) -> int:
         cols = [("all in (ms)", "in_s", ms), ("all back (ms)", "back_s", ms), ("us/request in", "in_s", us),
                 ("us/request back", "back_s", us), ("objects/request", "objects_per_request", ("n", 1))]
     print(title)
-    print(f"{'mode':<14}" + "".join(f"{head:>{len(head) + 2}}" for head, _, _ in cols))
+    width = max([14] + [len(r["mode"]) + 1 for r in results])
+    print(f"{'mode':<{width}}" + "".join(f"{head:>{len(head) + 2}}" for head, _, _ in cols))
     for r in results:
-        print(f"{r['mode']:<14}" + "".join(f"{r[key] * scale:>{len(head) + 2}.{1 if unit == 'ms' else 0}f}"
+        print(f"{r['mode']:<{width}}" + "".join(f"{r[key] * scale:>{len(head) + 2}.{1 if unit == 'ms' else 0}f}"
                                            for head, key, (unit, scale) in cols))
     from . import write_result
 

@@ -1421,9 +1421,14 @@ def _short(value: Any, width: int = 60) -> str:
     return (text if len(text) <= width else text[: width - 3] + "...").replace("|", "\\|")
 
 
+#: Roles under this many CPU seconds (median) on every side share one row of :func:`_cpu_lines`.
+CPU_ROW_MIN_S = 0.01
+
+
 def _cpu_lines(runs: dict, cols: List[str]) -> List[str]:
     """Markdown lines: CPU seconds by process role while the requests were served (:func:`cpu_while_serving`),
-    the busiest roles first, then every process and the window; none without records."""
+    the busiest roles first, those under :data:`CPU_ROW_MIN_S` on every side summed in one row, then every
+    process and the window; none without records."""
     got = {s: runs[s].get("cpu_serving") or {} for s in cols}
     if not any(got.values()):
         return []
@@ -1434,9 +1439,16 @@ def _cpu_lines(runs: dict, cols: List[str]) -> List[str]:
            "between samples; median over steps after the first):", "",
            "| process | " + " | ".join(SIDE_LABELS[s] for s in cols) + " |",
            "| --- | " + " | ".join("---:" for _ in cols) + " |"]
-    for n in roles + [CPU_ALL, CPU_WINDOW]:
+    def median(s: str, n: str) -> float:
+        return (got[s].get(n) or {}).get("median") or 0.0
+
+    small = [n for n in roles if all(median(s, n) < CPU_ROW_MIN_S for s in cols)]
+    for n in [n for n in roles if n not in small] + [CPU_ALL, CPU_WINDOW]:
         cells = [_f((got[s].get(n) or {}).get("median"), ".2f") if n in got[s] else "" for s in cols]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
+    if small:  # Ray's idle workers, per-actor process titles, helpers: one line, before the totals
+        cells = [_f(sum(median(s, n) for n in small), ".2f") for s in cols]
+        out.insert(len(out) - 2, f"| ({len(small)} other roles, each under {CPU_ROW_MIN_S} s) | " + " | ".join(cells) + " |")
     return out + [""]
 
 
