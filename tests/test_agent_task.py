@@ -121,8 +121,8 @@ def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_pa
         "data_source": np.array(["t"], dtype=object),
     }, meta_info={"global_steps": 1, "validate": True})
 
-    def reply(ids):  # each turn on newer weights: the trajectory spans versions 4..6
-        srv.global_steps += 1
+    def reply(ids):  # the step moves on after each turn reached the engine, which reports the step it
+        srv.global_steps += 1  # reached the engine at: the trajectory spans versions 3..5
         return tok.encode(next(answers), add_special_tokens=False)
 
     async def body():
@@ -141,8 +141,8 @@ def test_verls_agent_loop_worker_runs_the_tool_turns_through_this_package(tmp_pa
     # the weight versions the episode ran on, which verl's trainer reads as ints for every training sample
     # (np.array(..., dtype=int), verl/trainer/ppo/v1/trainer_base.py): None there failed step 1 on the GPUs
     nt = out.non_tensor_batch
-    assert np.array(nt["min_global_steps"].tolist(), dtype=int).tolist() == [4]
-    assert np.array(nt["max_global_steps"].tolist(), dtype=int).tolist() == [6]
+    assert np.array(nt["min_global_steps"].tolist(), dtype=int).tolist() == [3]
+    assert np.array(nt["max_global_steps"].tolist(), dtype=int).tolist() == [5]
     (logged,) = [json.loads(ln) for f in (tmp_path / "turns").glob("*.jsonl") for ln in f.read_text().splitlines()]
     assert len(logged["turns"]) == agent_task.TURNS
     assert tok.decode(logged["turns"][0]) == "12 + 30 = 42. Answer: 42<|im_end|>"

@@ -173,6 +173,45 @@ def test_a_cancelled_caller_on_the_callers_loop_aborts_its_request_which_stays_c
     assert _on_a_loop_thread(scenario) == "done"
 
 
+def test_on_the_callers_loop_a_caller_settling_on_another_call_is_not_tied_to_that_call_s_caller():
+    """``async_settle`` waits for the last release/resume/bucket, which another caller submitted on the same
+    loop. Cancelling either caller reaches only that caller: the other gets SGLang's answer (until the
+    seventeenth session both awaited one waiter, and the cancel of one was a ``CancelledError`` in the other)."""
+
+    async def scenario():
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=asyncio.get_running_loop())
+        fake = eng._engine
+        fake.answer_delay_s = 0.2
+        loop = asyncio.get_running_loop()
+        try:
+            release = loop.create_task(eng.async_release(["kv_cache"]))
+            await asyncio.sleep(0.05)
+            settle = loop.create_task(eng.async_settle())
+            await asyncio.sleep(0.02)
+            settle.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await settle
+            assert await release == ["kv_cache"]
+
+            resume = loop.create_task(eng.async_resume(["kv_cache"]))
+            await asyncio.sleep(0.05)
+            settle = loop.create_task(eng.async_settle())
+            await asyncio.sleep(0.02)
+            resume.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await resume
+            assert not settle.done()  # it waits for SGLang's answer to the resume
+            await settle
+            assert eng.state.released == () and eng.state.busy is None
+            assert [c[0] for c in fake.calls] == ["release", "resume"] and not fake.dead
+        finally:
+            eng.shutdown()
+        return "done"
+
+    assert _on_a_loop_thread(scenario) == "done"
+
+
 def test_a_death_that_cancels_the_task_before_failing_the_call_still_raises_engine_dead(monkeypatch):
     """The engine's death cancels its tasks on the caller's loop, and fails the calls in flight from the
     watchdog's thread: whichever comes first, the caller gets EngineDeadError, not CancelledError."""

@@ -280,6 +280,35 @@ def _continuing(answer, tok):
     return reply
 
 
+def test_an_answer_carries_the_step_of_the_weights_that_served_it_not_a_later_one():
+    """``extra_fields["global_steps"]`` is the step when the request reached the engine (no weight sync starts
+    while it runs). Read when the answer came back, an aborted turn whose answer was still on its way when verl's
+    next update set the new step took that step (the test below failed so once under load, seventeenth session)."""
+    import threading
+
+    srv = verl_server(8)
+
+    async def scenario():
+        await srv.start()
+        try:
+            fake = srv._engine._engine
+            fake.block = threading.Event()
+            await srv.set_global_steps(5)
+            task = asyncio.ensure_future(srv.generate([1, 2], {"max_new_tokens": 3}, request_id="r"))
+            while not fake.entered.is_set():
+                await asyncio.sleep(0.001)
+            await srv.set_global_steps(6)  # the step moves on while the answer is on its way
+            fake.block.set()
+            out = await task
+            assert out.extra_fields["global_steps"] == 5 and len(out.token_ids) == 3
+            later = await srv.generate([1, 2], {"max_new_tokens": 3}, request_id="s")
+            assert later.extra_fields["global_steps"] == 6
+        finally:
+            await srv.shutdown()
+
+    asyncio.run(scenario())
+
+
 def test_a_turn_cut_by_a_weight_update_comes_back_partial_and_the_episode_continues_after_resume(
         tmp_path, plain_requests):
     """verl's fully-async client (``FullyAsyncLLMServerClient``, partial rollout) with ``tool_agent``: an

@@ -153,7 +153,8 @@ class _Call:
     """One call into SGLang, as :meth:`EngineCore._submit` runs it: the coroutine on the engine's loop
     (:meth:`run`), and what happens when it ends (:meth:`finish`: ``on_done``, then ``outer``, then, on the
     caller's own loop, ``outer.waiter``: the future :meth:`EngineCore._await` awaits there instead of
-    shielding the task). One object per call rather than closures and a shield: a generate holds it while
+    shielding the task; only the caller that submitted the call awaits it, any other through a shielded
+    wrapper of ``outer``, :meth:`EngineCore._await_shared`). One object per call rather than closures and a shield: a generate holds it while
     SGLang serves the request, and a replica has hundreds in flight, each more work for Python's garbage
     collector. Each generate in flight on the caller's loop held 75 tracked objects before and 48 since
     (SGLang's own call: 10; ``python -m sgl_rollout.bench requests``, CPU double); against a real engine
@@ -487,10 +488,24 @@ class EngineCore:
                 on_cancel()
             raise
 
-    def waiting(self, fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None) -> Step:
+    @staticmethod
+    async def _await_shared(fut: concurrent.futures.Future, on_cancel: Optional[Callable[[], None]] = None):
+        """:meth:`_await` for a caller that did not submit ``fut`` (:meth:`_settle` waiting for another
+        caller's release, resume or bucket): never through that caller's own waiter, whose cancellation by
+        either caller would otherwise reach the other as a ``CancelledError``."""
+        try:
+            return await asyncio.shield(asyncio.wrap_future(fut))
+        except BaseException:
+            if not fut.done() and on_cancel is not None:
+                on_cancel()
+            raise
+
+    def waiting(self, fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None,
+                shared: bool = False) -> Step:
         """The step of a call body that waits for ``fut`` (SGLang's answer): blocking, or awaited and
-        shielded; ``on_interrupt`` runs when the caller stops waiting before the answer."""
-        return Step(self._wait, self._await, (fut, on_interrupt))
+        shielded; ``on_interrupt`` runs when the caller stops waiting before the answer. ``shared``: the
+        body did not submit ``fut`` (another caller may be awaiting it too)."""
+        return Step(self._wait, self._await_shared if shared else self._await, (fut, on_interrupt))
 
     def _settle(self):
         """Wait until the last release/resume/sync bucket has been answered by SGLang (it may have been
@@ -502,7 +517,7 @@ class EngineCore:
         last = self._last_op
         if last is not None and not last.done():
             try:
-                yield self.waiting(last)
+                yield self.waiting(last, shared=True)
             except Exception:  # noqa: BLE001 - its own caller got the error; the state says the rest
                 pass
         self.check_alive()
