@@ -212,6 +212,40 @@ def test_on_the_callers_loop_a_caller_settling_on_another_call_is_not_tied_to_th
     assert _on_a_loop_thread(scenario) == "done"
 
 
+def test_on_the_callers_loop_a_request_reaches_sglang_in_the_callers_own_turn_where_python_can():
+    """Python 3.12+ (``EAGER_TASKS``): the task running SGLang's call takes its first step at once, so the
+    request is in SGLang's hands before the caller's turn of the loop ends, as in verl's own server; older
+    Pythons schedule that step behind whatever the loop holds. Either way the answer is the same."""
+    from sgl_rollout.engine.core import EAGER_TASKS
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=loop)
+        fake = eng._engine
+        reached = []
+        answer = fake.async_generate
+
+        async def sglang(*args, **kwargs):
+            reached.append(len(order))
+            return await answer(*args, **kwargs)
+
+        fake.async_generate = sglang
+        order = []
+        try:
+            callers = [loop.create_task(eng.async_generate([[i]], {"max_new_tokens": 2})) for i in range(3)]
+            # three callers' turns, then what they scheduled: eager tasks reach SGLang inside each turn
+            loop.call_soon(order.append, "callers' turns done")
+            outs = await asyncio.gather(*callers)
+            assert [o[0][0].output_ids for o in outs] == [[1, 2], [2, 3], [3, 4]]
+            return reached
+        finally:
+            eng.shutdown()
+
+    reached = _on_a_loop_thread(scenario)
+    assert reached == ([0, 0, 0] if EAGER_TASKS else [1, 1, 1])
+
+
 def test_a_death_that_cancels_the_task_before_failing_the_call_still_raises_engine_dead(monkeypatch):
     """The engine's death cancels its tasks on the caller's loop, and fails the calls in flight from the
     watchdog's thread: whichever comes first, the caller gets EngineDeadError, not CancelledError."""

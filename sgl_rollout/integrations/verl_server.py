@@ -385,11 +385,10 @@ class VerlRolloutServer(RolloutServer):
             ``TokenOutput`` with ``token_ids``, ``log_probs`` (None unless ``logprobs`` or
             ``prompt_logprobs``, which need SGLang's ``return_logprob`` as in verl's server),
             ``stop_reason`` (SGLang's finish reason: ``"length"``, ``"stop"``, ``"abort"``) and
-            ``extra_fields["global_steps"]``: the trainer step whose weights served the request (the step
-            when it reached the engine, which syncs no weights while a request runs); with
-            ``prompt_logprobs``, also ``extra_fields["prompt_ids"]`` and ``["prompt_logprobs"]``. A
-            request arriving while :meth:`abort_all_requests` paused generation waits for
-            :meth:`resume_generation` (SGLang's behaviour), or fails with ``reject_request=True``.
+            ``extra_fields["global_steps"]``: the step when the request reached the engine (no sync changes
+            the weights while it runs); with ``prompt_logprobs``, also ``extra_fields["prompt_ids"]`` and
+            ``["prompt_logprobs"]``. A request arriving while :meth:`abort_all_requests` paused generation
+            waits for :meth:`resume_generation` (SGLang's behaviour), or fails with ``reject_request=True``.
 
         Raises:
             NotImplementedError: audio input or per-request ``mm_processor_kwargs`` (neither reaches
@@ -419,9 +418,7 @@ class VerlRolloutServer(RolloutServer):
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         params["max_new_tokens"] = self._max_new_tokens(params, len(ids))
         await self._admit()
-        # the weights' step as the request reaches the engine: no sync starts while it runs, and an abort
-        # (before verl's next update) may answer only after that update's set_global_steps
-        steps = self.global_steps
+        extra_fields = {"global_steps": self.global_steps}  # now: an abort's answer may come after the next step's
         self._served["total"] += 1
         self._served["since_sleep"] += 1
         prompt = {} if top_k is None else {"logprob_start_len": 0, "top_logprobs_num": top_k}
@@ -435,7 +432,6 @@ class VerlRolloutServer(RolloutServer):
             logger.error("request %s: %d logprobs for %d tokens; returning none of either",
                          request_id, len(log_probs), len(token_ids))
             token_ids, log_probs = [], []
-        extra_fields = {"global_steps": steps}
         if top_k is not None:
             extra_fields.update(teacher_prompt_logprobs(gen, top_k, ids))
         return TokenOutput(token_ids=token_ids, log_probs=log_probs, stop_reason=gen.finish_reason,
