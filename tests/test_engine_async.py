@@ -184,20 +184,22 @@ def test_on_the_callers_loop_a_caller_settling_on_another_call_is_not_tied_to_th
         fake = eng._engine
         fake.answer_delay_s = 0.2
         loop = asyncio.get_running_loop()
-        try:
-            release = loop.create_task(eng.async_release(["kv_cache"]))
+
+        async def then_settle(op):  # op on its way to SGLang, then a caller settling on it
+            first = loop.create_task(op)
             await asyncio.sleep(0.05)
             settle = loop.create_task(eng.async_settle())
             await asyncio.sleep(0.02)
+            return first, settle
+
+        try:
+            release, settle = await then_settle(eng.async_release(["kv_cache"]))
             settle.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await settle
             assert await release == ["kv_cache"]
 
-            resume = loop.create_task(eng.async_resume(["kv_cache"]))
-            await asyncio.sleep(0.05)
-            settle = loop.create_task(eng.async_settle())
-            await asyncio.sleep(0.02)
+            resume, settle = await then_settle(eng.async_resume(["kv_cache"]))
             resume.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await resume

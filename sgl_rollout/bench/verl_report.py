@@ -1442,14 +1442,18 @@ def _cpu_lines(runs: dict, cols: List[str]) -> List[str]:
     def median(s: str, n: str) -> float:
         return (got[s].get(n) or {}).get("median") or 0.0
 
+    def row(name: str, cells: List[str]) -> str:
+        return f"| {name} | " + " | ".join(cells) + " |"
+
+    def cells_of(n: str) -> List[str]:
+        return [_f((got[s].get(n) or {}).get("median"), ".2f") if n in got[s] else "" for s in cols]
+
     small = [n for n in roles if all(median(s, n) < CPU_ROW_MIN_S for s in cols)]
-    for n in [n for n in roles if n not in small] + [CPU_ALL, CPU_WINDOW]:
-        cells = [_f((got[s].get(n) or {}).get("median"), ".2f") if n in got[s] else "" for s in cols]
-        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out += [row(n, cells_of(n)) for n in roles if n not in small]
     if small:  # Ray's idle workers, per-actor process titles, helpers: one line, before the totals
-        cells = [_f(sum(median(s, n) for n in small), ".2f") for s in cols]
-        out.insert(len(out) - 2, f"| ({len(small)} other roles, each under {CPU_ROW_MIN_S} s) | " + " | ".join(cells) + " |")
-    return out + [""]
+        out.append(row(f"({len(small)} other roles, each under {CPU_ROW_MIN_S} s)",
+                       [_f(sum(median(s, n) for n in small), ".2f") for s in cols]))
+    return out + [row(n, cells_of(n)) for n in (CPU_ALL, CPU_WINDOW)] + [""]
 
 
 def _sm_lines(runs: dict, cols: List[str]) -> List[str]:

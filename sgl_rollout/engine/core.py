@@ -15,6 +15,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import signal
 import sys
@@ -178,7 +179,7 @@ class _Call:
     (:meth:`run`), and what happens when it ends (:meth:`finish`: ``on_done``, then ``outer``, then, on the
     caller's own loop, ``outer.waiter``: the future :meth:`EngineCore._await` awaits there instead of
     shielding the task; only the caller that submitted the call awaits it, any other through a shielded
-    wrapper of ``outer``, :meth:`EngineCore._await_shared`). One object per call rather than closures and a
+    wrapper of ``outer``, :meth:`EngineCore._await` with ``shared``). One object per call rather than closures and a
     shield: a generate holds it while SGLang serves the request, and a replica has hundreds in flight, each more
     work for Python's garbage collector. Each generate in flight on the caller's loop held 75 tracked objects before
     and 48 since (SGLang's own call: 10; ``python -m sgl_rollout.bench requests``, CPU double); against a real
@@ -497,8 +498,12 @@ class EngineCore:
             raise
 
     @staticmethod
-    async def _await(fut: concurrent.futures.Future, on_cancel: Optional[Callable[[], None]] = None):
-        waiter = getattr(fut, "waiter", None)
+    async def _await(fut: concurrent.futures.Future, on_cancel: Optional[Callable[[], None]] = None,
+                     shared: bool = False):
+        # shared: a caller that did not submit ``fut`` (_settle waiting for another caller's release, resume
+        # or bucket) never awaits that caller's own waiter, whose cancellation by either caller would reach
+        # the other as a CancelledError
+        waiter = None if shared else getattr(fut, "waiter", None)
         try:  # shielded: a cancelled caller must not cancel the record of SGLang's answer
             if waiter is None:
                 return await asyncio.shield(asyncio.wrap_future(fut))
@@ -512,24 +517,13 @@ class EngineCore:
                 on_cancel()
             raise
 
-    @staticmethod
-    async def _await_shared(fut: concurrent.futures.Future, on_cancel: Optional[Callable[[], None]] = None):
-        """:meth:`_await` for a caller that did not submit ``fut`` (:meth:`_settle` waiting for another
-        caller's release, resume or bucket): never through that caller's own waiter, whose cancellation by
-        either caller would otherwise reach the other as a ``CancelledError``."""
-        try:
-            return await asyncio.shield(asyncio.wrap_future(fut))
-        except BaseException:
-            if not fut.done() and on_cancel is not None:
-                on_cancel()
-            raise
-
     def waiting(self, fut: concurrent.futures.Future, on_interrupt: Optional[Callable[[], None]] = None,
                 shared: bool = False) -> Step:
         """The step of a call body that waits for ``fut`` (SGLang's answer): blocking, or awaited and
         shielded; ``on_interrupt`` runs when the caller stops waiting before the answer. ``shared``: the
         body did not submit ``fut`` (another caller may be awaiting it too)."""
-        return Step(self._wait, self._await_shared if shared else self._await, (fut, on_interrupt))
+        return Step(self._wait, functools.partial(self._await, shared=True) if shared else self._await,
+                    (fut, on_interrupt))
 
     def _settle(self):
         """Wait until the last release/resume/sync bucket has been answered by SGLang (it may have been

@@ -418,7 +418,7 @@ class VerlRolloutServer(RolloutServer):
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         params["max_new_tokens"] = self._max_new_tokens(params, len(ids))
         await self._admit()
-        extra_fields = {"global_steps": self.global_steps}  # now: an abort's answer may come after the next step's
+        extra_fields = {"global_steps": self.global_steps}  # on admission: an abort may answer after the next step
         self._served["total"] += 1
         self._served["since_sleep"] += 1
         prompt = {} if top_k is None else {"logprob_start_len": 0, "top_logprobs_num": top_k}
