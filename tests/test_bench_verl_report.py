@@ -866,6 +866,6 @@ def test_every_committed_report_gives_the_step_s_own_part_in_one_line():
     for md in reports:
         got = [x for x in md.read_text().splitlines() if x.startswith("The step's own part")]
         assert len(got) == 1 and got[0].endswith("(aim: <= 0.5x)"), md
-        if (md.parent / "comparison.json").is_file():  # else the report alone was committed (run-14, run-17)
+        if (md.parent / "comparison.json").is_file():  # else the report alone was committed (run-17, run-18)
             comp = json.loads((md.parent / "comparison.json").read_text())
             assert got == [x for x in verl_report.markdown(comp).splitlines() if x.startswith("The step's own part")], md
