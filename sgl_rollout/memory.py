@@ -208,8 +208,8 @@ class MemoryState:
                 release/resume/sync is in progress, or the last weight sync did not complete.
         """
         with self._lock:
-            released = [t for t, r in self._released.items() if r]
-            if released:
+            if any(self._released.values()):
+                released = [t for t, r in self._released.items() if r]
                 raise MemoryStateError(f"engine is asleep (released: {released}); wake it up before generating")
             if self._busy is not None:
                 raise MemoryStateError(f"cannot generate while a {self._busy} is in progress")

@@ -283,6 +283,75 @@ def test_a_death_that_cancels_the_task_before_failing_the_call_still_raises_engi
     assert _on_a_loop_thread(scenario) == "done"
 
 
+def test_on_the_callers_loop_a_generate_s_record_is_a_future_of_that_loop_failed_from_any_thread():
+    """A generate on the caller's loop is recorded in a future of that loop (``LoopAnswer``), not a
+    thread-safe one: the engine's death fails it from the loop's own thread at once (``fail()`` called by
+    the actor) and from another thread through the loop, and its caller gets EngineDeadError either way."""
+    import threading
+
+    from sgl_rollout.engine import EngineDeadError
+    from sgl_rollout.engine.core import LoopAnswer
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=loop)
+        fake = eng._engine
+        records = []
+        submit = eng._submit
+
+        def recording(*args, **kwargs):
+            records.append(submit(*args, **kwargs))
+            return records[-1]
+
+        eng._submit = recording
+        try:
+            for kill in ("on the loop", "from a thread"):
+                fake.block, fake.entered = threading.Event(), threading.Event()
+                req = loop.create_task(eng.async_generate([[1]], {"max_new_tokens": 1}))
+                while not fake.entered.is_set():
+                    await asyncio.sleep(0.002)
+                assert isinstance(records[-1], LoopAnswer)
+                if kill == "on the loop":
+                    eng.fail("another node of the replica died")
+                else:
+                    await loop.run_in_executor(None, eng.fail, "another node of the replica died")
+                with pytest.raises(EngineDeadError, match="another node"):
+                    await asyncio.wait_for(req, 10)
+                fake.block.set()
+                eng.restart()
+                fake = eng._engine
+        finally:
+            eng.shutdown()
+        return "done"
+
+    assert _on_a_loop_thread(scenario) == "done"
+
+
+def test_on_the_callers_loop_a_blocking_settle_from_another_thread_waits_for_a_release_in_flight():
+    """A release, resume or bucket keeps a thread-safe record on the caller's loop too: a blocking
+    ``settle()`` from another thread returns only once SGLang has answered the release (a future of the loop
+    would have answered "not done" at once, and the state would still be mid-release)."""
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                            loop=loop)
+        eng._engine.answer_delay_s = 0.2
+        try:
+            release = loop.create_task(eng.async_release(["kv_cache"]))
+            await asyncio.sleep(0.05)
+            assert eng.state.busy == "release"
+            await loop.run_in_executor(None, eng.settle)
+            assert eng.state.busy is None and eng.state.released == ("kv_cache",)
+            assert await release == ["kv_cache"]
+        finally:
+            eng.shutdown()
+        return "done"
+
+    assert _on_a_loop_thread(scenario) == "done"
+
+
 def test_request_ids_are_unique_and_drawn_without_the_os_random_source_per_request(monkeypatch):
     """SGLang gets a fresh rid per request (its abort and its state are keyed by it) from a counter under a
     per-process prefix, not from ``uuid.uuid4()``, which reads the OS's random source and lets go of the GIL

@@ -435,7 +435,7 @@ def ctrl_c_after_send(monkeypatch):
     original = RolloutEngine._submit
     armed: list = []
 
-    def submit(self, make_coro, on_done=None):
+    def submit(self, make_coro, on_done=None, **kwargs):
         names = []
 
         def named():
@@ -443,7 +443,7 @@ def ctrl_c_after_send(monkeypatch):
             names.append(coro.__qualname__)
             return coro
 
-        fut = original(self, named, on_done)
+        fut = original(self, named, on_done, **kwargs)
         deadline = time.monotonic() + 5
         while not names and time.monotonic() < deadline:
             time.sleep(0.001)

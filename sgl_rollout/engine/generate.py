@@ -111,7 +111,7 @@ class GenerateCalls:
                         functools.partial(self._engine.async_generate, input_ids=ids,
                                           sampling_params=dict(sampling_params or {}),
                                           return_logprob=return_logprob, rid=rid, **form),
-                        self._generate_done,
+                        self._generate_done, private=True,  # its caller alone waits for it
                     )
                 except BaseException:
                     self.state.request_done()
@@ -262,9 +262,9 @@ def _expand(input_ids: List[List[int]], n: int) -> List[List[int]]:
         raise ValueError(f"n must be >= 1, got {n}")
     if not input_ids:
         raise ValueError("empty batch")
-    empty = next((i for i, p in enumerate(input_ids) if len(p) == 0), None)
-    if empty is not None:  # refused here, in one line, not left to SGLang's batch or single path to handle
-        raise ValueError(f"prompt {empty} has no token ids; SGLang needs at least one")
+    for i, p in enumerate(input_ids):
+        if not len(p):  # refused here, in one line, not left to SGLang's batch or single path to handle
+            raise ValueError(f"prompt {i} has no token ids; SGLang needs at least one")
     return [list(p) for p in input_ids for _ in range(n)]
 
 

@@ -195,6 +195,26 @@ def teacher_prompt_logprobs(gen, k: int, prompt: List[int]) -> Dict[str, list]:
 
 
 # ======================================================================= server actor
+def _refuse_unserved(audio_data, mm_processor_kwargs, kwargs: dict) -> None:
+    """Refuse what :meth:`VerlRolloutServer.generate` does not serve (audio, per-request processor
+    settings, any other argument that is not None).
+
+    Raises:
+        NotImplementedError: naming it.
+    """
+    if audio_data:
+        raise NotImplementedError("sgl-rollout takes images and videos but not audio_data "
+                                  "(verl's built-in SGLang server takes no audio either)")
+    if mm_processor_kwargs:
+        raise NotImplementedError(
+            "sgl-rollout takes images and videos but not mm_processor_kwargs (SGLang's requests carry no "
+            "processor settings, nor does verl's built-in server pass them): set data.mm_processor_kwargs "
+            "to null and put the processor's settings in the model folder's preprocessor_config.json")
+    extra = sorted(k for k, v in kwargs.items() if v is not None)
+    if extra:
+        raise NotImplementedError(f"sgl-rollout's generate does not take {extra}")
+
+
 def _items(data) -> list:
     """One request's images or videos as a list: a list or tuple as is, a single item (one image, one path,
     one processor-output dict) as a list of one."""
@@ -401,28 +421,21 @@ class VerlRolloutServer(RolloutServer):
                 prompt (:func:`teacher_prompt_logprobs`).
             MemoryStateError, EngineDeadError, EngineClosedError: from the engine, unchanged.
         """
-        if audio_data:
-            raise NotImplementedError("sgl-rollout takes images and videos but not audio_data "
-                                      "(verl's built-in SGLang server takes no audio either)")
-        if mm_processor_kwargs:
-            raise NotImplementedError(
-                "sgl-rollout takes images and videos but not mm_processor_kwargs (SGLang's requests carry no "
-                "processor settings, nor does verl's built-in server pass them): set data.mm_processor_kwargs "
-                "to null and put the processor's settings in the model folder's preprocessor_config.json")
-        extra = sorted(k for k, v in kwargs.items() if v is not None)
-        if extra:
-            raise NotImplementedError(f"sgl-rollout's generate does not take {extra}")
+        if audio_data or mm_processor_kwargs or kwargs:
+            _refuse_unserved(audio_data, mm_processor_kwargs, kwargs)
         params = dict(sampling_params)
         top_k = _prompt_logprobs_arg(params)
         return_logprob = bool(params.pop("logprobs", False)) or top_k is not None
         ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         params["max_new_tokens"] = self._max_new_tokens(params, len(ids))
-        await self._admit()
+        if not self._gate().is_set():  # paused (abort_all_requests): wait for resume_generation
+            await self._admit()
         extra_fields = {"global_steps": self.global_steps}  # on admission: an abort may answer after the next step
         self._served["total"] += 1
         self._served["since_sleep"] += 1
         prompt = {} if top_k is None else {"logprob_start_len": 0, "top_logprobs_num": top_k}
-        mm = {k: [_items(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v is not None}
+        mm = {} if image_data is None and video_data is None else {
+            k: [_items(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v is not None}
         gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
                                                  lora_path=self._request_adapter(), **prompt, **mm))[0][0]
         token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
