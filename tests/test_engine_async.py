@@ -49,6 +49,12 @@ def test_async_guards_and_calls(monkeypatch):
     assert not fake.dead
 
 
+def _engine_on_the_callers_loop(**kwargs) -> RolloutEngine:
+    """An engine over the async SGLang double that runs SGLang's calls on the running loop (``loop=``)."""
+    return RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
+                         loop=asyncio.get_running_loop(), **kwargs)
+
+
 def _on_a_loop_thread(scenario):
     """Run ``scenario()`` on an event loop in a thread of its own, as Ray runs an async actor's loop."""
     from sgl_rollout.bench.requests import on_a_loop_thread
@@ -62,8 +68,7 @@ def test_an_engine_on_the_callers_loop_runs_sglang_there_and_refuses_waiting_cal
     import threading
 
     async def scenario():
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=asyncio.get_running_loop())
+        eng = _engine_on_the_callers_loop()
         fake, seen = eng._engine, []
         plain = fake.async_generate
 
@@ -103,8 +108,7 @@ def test_a_death_on_the_callers_loop_fails_the_call_and_spares_the_loop():
     from sgl_rollout.engine import EngineDeadError
 
     async def scenario():
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=asyncio.get_running_loop(), watch_interval_s=0.05)
+        eng = _engine_on_the_callers_loop(watch_interval_s=0.05)
         ticks = []
 
         async def other_work():
@@ -142,8 +146,7 @@ def test_a_cancelled_caller_on_the_callers_loop_aborts_its_request_which_stays_c
     import threading
 
     async def scenario():
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=asyncio.get_running_loop())
+        eng = _engine_on_the_callers_loop()
         fake = eng._engine
         fake.block = threading.Event()
         fake.tokenizer_manager.abort_request = lambda rid="", abort_all=False: fake.calls.append(("abort", rid))
@@ -179,8 +182,7 @@ def test_on_the_callers_loop_a_caller_settling_on_another_call_is_not_tied_to_th
     seventeenth session both awaited one waiter, and the cancel of one was a ``CancelledError`` in the other)."""
 
     async def scenario():
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=asyncio.get_running_loop())
+        eng = _engine_on_the_callers_loop()
         fake = eng._engine
         fake.answer_delay_s = 0.2
         loop = asyncio.get_running_loop()
@@ -222,8 +224,7 @@ def test_on_the_callers_loop_a_request_reaches_sglang_in_the_callers_own_turn_wh
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=loop)
+        eng = _engine_on_the_callers_loop()
         fake = eng._engine
         reached = []
         answer = fake.async_generate
@@ -265,8 +266,7 @@ def test_a_death_that_cancels_the_task_before_failing_the_call_still_raises_engi
     monkeypatch.setattr(RolloutEngine, "_fail_pending", fail_late)
 
     async def scenario():
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=asyncio.get_running_loop(), watch_interval_s=0.05)
+        eng = _engine_on_the_callers_loop(watch_interval_s=0.05)
         fake = eng._engine
         fake.block = threading.Event()
         try:
@@ -294,8 +294,7 @@ def test_on_the_callers_loop_a_generate_s_record_is_a_future_of_that_loop_failed
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=loop)
+        eng = _engine_on_the_callers_loop()
         fake = eng._engine
         records = []
         submit = eng._submit
@@ -335,8 +334,7 @@ def test_on_the_callers_loop_a_blocking_settle_from_another_thread_waits_for_a_r
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        eng = RolloutEngine(RolloutConfig(model_path="/fake", enforce_eager=True), engine_factory=FakeAsyncSGLangEngine,
-                            loop=loop)
+        eng = _engine_on_the_callers_loop()
         eng._engine.answer_delay_s = 0.2
         try:
             release = loop.create_task(eng.async_release(["kv_cache"]))
