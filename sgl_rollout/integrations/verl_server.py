@@ -438,7 +438,7 @@ class VerlRolloutServer(RolloutServer):
             k: [_items(v)] for k, v in (("image_data", image_data), ("video_data", video_data)) if v is not None}
         gen = (await self._engine.async_generate([ids], params, n=1, return_logprob=return_logprob,
                                                  lora_path=self._request_adapter(), **prompt, **mm))[0][0]
-        token_ids, log_probs = list(gen.output_ids), (list(gen.logprobs) if return_logprob else None)
+        token_ids, log_probs = gen.output_ids, (gen.logprobs if return_logprob else None)  # ours, fresh: no copy
         if return_logprob and len(log_probs) != len(token_ids):
             # SGLang can report a logprob without a token (max_new_tokens=0) or none on an abort;
             # verl's server then returns neither, and so does this one.
