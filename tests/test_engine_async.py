@@ -327,6 +327,42 @@ def test_on_the_callers_loop_a_generate_s_record_is_a_future_of_that_loop_failed
     assert _on_a_loop_thread(scenario) == "done"
 
 
+def test_on_the_callers_loop_a_death_after_the_caller_gave_up_logs_no_unretrieved_error():
+    """A caller that was cancelled leaves its generate's record to the engine; when the engine then dies, or
+    SGLang's call fails, the record's error is its own business: asyncio must not log "Future exception was
+    never retrieved" for each such request (a future of the loop logs that when dropped unread)."""
+    import gc
+    import threading
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        logged = []
+        loop.set_exception_handler(lambda _loop, context: logged.append(context.get("message")))
+        eng = _engine_on_the_callers_loop()
+        fake = eng._engine
+        fake.block = threading.Event()
+        fake.tokenizer_manager.abort_request = lambda rid="", abort_all=False: None  # SGLang has yet to end them
+        try:
+            reqs = [loop.create_task(eng.async_generate([[i]], {"max_new_tokens": 1})) for i in range(1, 4)]
+            while not fake.entered.is_set():
+                await asyncio.sleep(0.002)
+            for r in reqs:
+                r.cancel()
+            await asyncio.gather(*reqs, return_exceptions=True)
+            await loop.run_in_executor(None, eng.fail, "another node of the replica died")
+            for _ in range(5):
+                await asyncio.sleep(0.01)
+            del reqs
+            gc.collect()
+            await asyncio.sleep(0.01)
+            return [m for m in logged if m and "never retrieved" in m]
+        finally:
+            fake.block.set()
+            eng.shutdown()
+
+    assert _on_a_loop_thread(scenario) == []
+
+
 def test_on_the_callers_loop_a_blocking_settle_from_another_thread_waits_for_a_release_in_flight():
     """A release, resume or bucket keeps a thread-safe record on the caller's loop too: a blocking
     ``settle()`` from another thread returns only once SGLang has answered the release (a future of the loop

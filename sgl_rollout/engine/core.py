@@ -238,6 +238,7 @@ class _Call:
                 outer.set_result(f.result())
             else:
                 outer.set_exception(exc)
+                outer.exception()  # read: a LoopAnswer whose caller gave up would be logged as never retrieved
         if hasattr(outer, "waiter"):  # finish runs on that loop: the inner future is its task
             self._wake(outer)
 
@@ -274,6 +275,7 @@ class LoopAnswer(asyncio.Future):
 def _fail_on_loop(fut: LoopAnswer, exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)
+        fut.exception()  # read, as in _Call.finish: asyncio logs a loop future's error dropped unread
 
 
 def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
