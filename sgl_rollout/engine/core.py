@@ -233,12 +233,11 @@ class _Call:
             return
         with core._pending_lock:
             core._pending.discard(outer)
-        with contextlib.suppress(concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
-            if exc is None:
+        if exc is None:
+            with contextlib.suppress(concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
                 outer.set_result(f.result())
-            else:
-                outer.set_exception(exc)
-                outer.exception()  # read: a LoopAnswer whose caller gave up would be logged as never retrieved
+        else:
+            _set_error(outer, exc)
         if hasattr(outer, "waiter"):  # finish runs on that loop: the inner future is its task
             self._wake(outer)
 
@@ -272,10 +271,14 @@ class LoopAnswer(asyncio.Future):
     __slots__ = ("waiter",)
 
 
-def _fail_on_loop(fut: LoopAnswer, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
-        fut.exception()  # read, as in _Call.finish: asyncio logs a loop future's error dropped unread
+def _set_error(fut, exc: BaseException) -> None:
+    """Fail a call's record (either kind) with ``exc`` unless it is resolved already, and read the error back:
+    asyncio logs "exception was never retrieved" for a :class:`LoopAnswer` whose caller gave up. A
+    :class:`LoopAnswer` only on its own loop's thread (:meth:`EngineCore._fail_pending`)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError, asyncio.InvalidStateError):
+        if not fut.done():
+            fut.set_exception(exc)
+            fut.exception()
 
 
 def _running_loop() -> Optional[asyncio.AbstractEventLoop]:
@@ -411,15 +414,12 @@ class EngineCore:
         with self._pending_lock:
             pending, self._pending = list(self._pending), set()
         for fut in pending:
-            if isinstance(fut, LoopAnswer):
-                if _running_loop() is fut.get_loop():
-                    _fail_on_loop(fut, exc)
-                else:
-                    with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits there any more
-                        fut.get_loop().call_soon_threadsafe(_fail_on_loop, fut, exc)
-                continue
-            with contextlib.suppress(concurrent.futures.InvalidStateError):
-                fut.set_exception(exc)
+            loop = fut.get_loop() if isinstance(fut, LoopAnswer) else None
+            if loop is None or _running_loop() is loop:
+                _set_error(fut, exc)
+            else:
+                with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits there any more
+                    loop.call_soon_threadsafe(_set_error, fut, exc)
 
     def _stop_machinery(self) -> None:
         def stop_loop() -> None:  # calls that will never be answered are dropped quietly
@@ -525,12 +525,7 @@ class EngineCore:
 
     def _on_home_loop(self) -> bool:
         """True when called from inside the borrowed loop SGLang runs on (``RolloutEngine(loop=...)``)."""
-        if self._home_loop is None:
-            return False
-        try:
-            return asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            return False
+        return self._home_loop is not None and _running_loop() is self._loop
 
     def _check_not_on_loop(self) -> None:
         """Refuse a blocking call on the thread of a borrowed loop: SGLang's answer needs that loop.
